@@ -1,0 +1,92 @@
+"""The embedded model: a Qwen3-architecture causal LM built from config, and its flat weights.
+
+Weights cross processes as one contiguous float32 buffer plus a manifest (name, shape, offset),
+never as pickled state dicts. Every cell builds the same version-0 weights from the init seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from cellrunner.config import ModelConfig
+from controller.wire import TensorSpec
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(cfg.init_seed)
+    model = Qwen3ForCausalLM(hf_config(cfg, vocab_size))
+    model.to(torch.float32)
+    return model
+
+
+@dataclass(frozen=True)
+class FlatWeights:
+    """All parameters of one weight version in one float32 array, in `named_parameters` order."""
+
+    version: int
+    specs: tuple[TensorSpec, ...]
+    data: np.ndarray  # float32, 1-D
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def param_specs(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
+    specs, offset = [], 0
+    for name, p in model.named_parameters():
+        specs.append(TensorSpec(name=name, shape=list(p.shape), offset=offset))
+        offset += p.numel()
+    return tuple(specs)
+
+
+def num_elements(specs: tuple[TensorSpec, ...]) -> int:
+    last = specs[-1]
+    return last.offset + int(np.prod(last.shape, dtype=np.int64))
+
+
+def flatten_params(model: torch.nn.Module, version: int) -> FlatWeights:
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32)
+    return FlatWeights(version, param_specs(model), flat.numpy().copy())
+
+
+def flatten_grads(model: torch.nn.Module) -> np.ndarray:
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+        for p in model.parameters()
+    ]
+    return torch.cat(parts).to(torch.float32).numpy().copy()
+
+
+def load_flat(model: torch.nn.Module, weights: FlatWeights) -> None:
+    """Copy a flat buffer into the model; the manifest must match the model's parameters."""
+    own = param_specs(model)
+    if [(s.name, s.shape) for s in own] != [(s.name, s.shape) for s in weights.specs]:
+        raise ValueError("weights: manifest does not match this model's parameters")
+    src = torch.from_numpy(weights.data)
+    with torch.no_grad():
+        for spec, p in zip(own, model.parameters()):
+            n = p.numel()
+            p.copy_(src[spec.offset : spec.offset + n].view_as(p))

@@ -1,0 +1,93 @@
+"""The root config: typed mirror of conf/config.yaml, composed of each package's own sub-config.
+
+Built once at the entrypoint from Hydra's resolved config; every component then gets only its
+own sub-config. Cross-package facts are checked here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cellrunner.config import ModelConfig
+from controller.typed_config import ConfigError, build
+from harness_proxy.config import ProxyConfig
+from trajectory.config import AlgoConfig
+from workloads.config import WorkloadConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str
+    runs_dir: str
+    steps: int
+    """GSPO steps to train; the run ends when weight version `steps` is published."""
+    seed: int
+    eval_at_start: bool
+    eval_at_end: bool
+    log_level: Literal["DEBUG", "INFO", "WARNING"]
+    progress_every_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    kind: Literal["local"]
+    num_cells: int
+    core_cell: int
+    """The cell that owns the authoritative weights and optimizer state."""
+    host: str
+    controller_port: int
+    torch_threads: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    """A cell silent this long is dropped and its work re-routed."""
+    start_timeout_s: float
+
+    def check(self) -> None:
+        if self.num_cells < 1:
+            raise ValueError("num_cells: want >= 1")
+        if not 0 <= self.core_cell < self.num_cells:
+            raise ValueError("core_cell: want 0..num_cells-1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    kind: Literal["elastic", "async", "colocate"]
+    capacity_per_cell: int
+    """Live executions one serving cell holds."""
+    staleness: int
+    """Step s may train on data produced by weight versions >= s - staleness (same for all policies)."""
+    min_serving_cells: int
+    """Serving cells kept while any live work or next-step work exists (elastic)."""
+    train_cells: int
+    """`async` only: size of the fixed training pool."""
+
+    def check(self) -> None:
+        if self.capacity_per_cell < 1 or self.staleness < 0:
+            raise ValueError("capacity_per_cell >= 1 and staleness >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GyreConfig:
+    run: RunConfig
+    cluster: ClusterConfig
+    model: ModelConfig
+    workload: WorkloadConfig
+    scheduler: SchedulerConfig
+    algo: AlgoConfig
+    proxy: ProxyConfig
+
+    def check(self) -> None:
+        if self.scheduler.kind == "async" and not 1 <= self.scheduler.train_cells < self.cluster.num_cells:
+            raise ValueError("scheduler.train_cells: async needs 1..num_cells-1 training cells")
+        if self.workload.max_new_tokens > self.proxy.max_new_tokens_cap:
+            raise ValueError("workload.max_new_tokens: over proxy.max_new_tokens_cap")
+
+
+def build_config(resolved: dict[str, Any]) -> GyreConfig:
+    """`resolved` is `OmegaConf.to_container(cfg, resolve=True)` without the `hydra` key."""
+    data = {k: v for k, v in resolved.items() if k != "hydra"}
+    try:
+        return build(GyreConfig, data)
+    except ConfigError:
+        raise

@@ -1,0 +1,561 @@
+"""Every message that crosses a Gyre process, and the one way to encode and decode it.
+
+A frame is MessagePack ``[PROTOCOL_VERSION, tag, {field: value}]``. Decoding unpacks, looks the
+tag up in a closed table, checks every field's type (and the ranges a message declares in its
+``check``), and builds a frozen dataclass. Anything else raises ``ProtocolError`` naming the
+message and the field. Nothing on the wire chooses which code runs: tags map to these classes
+only. This module imports only the standard library and msgpack, so every package may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid Gyre message; the text names the message and the field."""
+
+
+Role = Literal["serve", "train"]
+# The phases of a cell, in the order a cell walks them (the elastic-cells issue times each one).
+CellPhase = Literal["starting", "serving", "draining", "to_train", "training", "to_serve", "dead"]
+Outcome = Literal["finished", "timed_out", "crashed"]
+FinishReason = Literal["stop", "length", "abort"]
+Lineage = Literal["main", "main-summary", "sub-agent", "sub-agent-summary", "side"]
+PeerKind = Literal["cell", "proxy", "processor"]
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: want a finite number, got {value!r}")
+
+
+def _non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name}: want >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    TAG: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Range checks beyond types; raise ValueError('field: why')."""
+
+
+# ---------------------------------------------------------------- control plane: peers -> controller
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Message):
+    """First frame of every DEALER peer, so the controller knows who sits behind an identity."""
+
+    TAG: ClassVar[str] = "hello"
+    peer: PeerKind
+    cell_id: int = -1
+    pid: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CellReady(Message):
+    """A cellrunner is up; its engine and weight/gradient endpoints are reachable."""
+
+    TAG: ClassVar[str] = "cell_ready"
+    cell_id: int
+    engine_url: str
+    weights_addr: str
+    grads_addr: str
+    is_core: bool
+
+    def check(self) -> None:
+        _non_negative(cell_id=self.cell_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    TAG: ClassVar[str] = "heartbeat"
+    cell_id: int
+    phase: CellPhase
+    num_running: int
+    weight_version: int
+    rss_bytes: int = 0
+
+    def check(self) -> None:
+        _non_negative(cell_id=self.cell_id, num_running=self.num_running)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoleSwitched(Message):
+    """A switch finished; ``phases_s`` times each phase walked (drain, release, start, load...)."""
+
+    TAG: ClassVar[str] = "role_switched"
+    cell_id: int
+    role: Role
+    weight_version: int
+    total_s: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    def check(self) -> None:
+        _finite("total_s", self.total_s)
+        _non_negative(total_s=self.total_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicrostepDone(Message):
+    TAG: ClassVar[str] = "microstep_done"
+    cell_id: int
+    step: int
+    shard_id: str
+    num_tokens: int
+    loss: float
+    fb_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradsSent(Message):
+    """A satellite pushed its gradient sum for ``step`` to the core."""
+
+    TAG: ClassVar[str] = "grads_sent"
+    cell_id: int
+    step: int
+    num_shards: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepApplied(Message):
+    TAG: ClassVar[str] = "step_applied"
+    cell_id: int
+    step: int
+    weight_version: int
+    grad_norm: float
+    apply_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsLoaded(Message):
+    TAG: ClassVar[str] = "weights_loaded"
+    cell_id: int
+    weight_version: int
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorReply(Message):
+    """Sent back to whoever sent a frame that could not be decoded or obeyed."""
+
+    TAG: ClassVar[str] = "error"
+    where: str
+    message: str
+
+
+# ---------------------------------------------------------------- control plane: controller -> cells
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwitchRole(Message):
+    TAG: ClassVar[str] = "switch_role"
+    cell_id: int
+    role: Role
+    weight_version: int
+    core_weights_addr: str
+    core_grads_addr: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadWeights(Message):
+    """Serving cell: pull ``weight_version`` from the core and load it into the engine."""
+
+    TAG: ClassVar[str] = "load_weights"
+    weight_version: int
+    core_weights_addr: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sequence(Message):
+    """One training sequence: context and policy tokens, aligned per position.
+
+    ``target_mask[i]`` is 1 where ``tokens[i]`` was generated by the policy and is a training target
+    in this shard; ``behaviour_logprobs[i]`` is its log-probability under the behaviour policy (0
+    elsewhere). ``token_weight`` is 1 / (policy tokens of the execution), so summing
+    ``token_weight * loss_t`` over an execution's tokens gives its per-execution mean.
+    """
+
+    TAG: ClassVar[str] = "sequence"
+    execution_id: str
+    tokens: list[int]
+    target_mask: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    token_weight: float
+
+    def check(self) -> None:
+        n = len(self.tokens)
+        if len(self.target_mask) != n or len(self.behaviour_logprobs) != n:
+            raise ValueError("tokens/target_mask/behaviour_logprobs: lengths differ")
+        if n < 2:
+            raise ValueError("tokens: want at least 2")
+        if self.target_mask[0]:
+            raise ValueError("target_mask: the first token cannot be a target")
+        _finite("advantage", self.advantage)
+        _finite("token_weight", self.token_weight)
+        _non_negative(token_weight=self.token_weight)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard(Message):
+    """A microstep's data: whole executions of one step, complete and advantage-weighted."""
+
+    TAG: ClassVar[str] = "shard"
+    step: int
+    shard_id: str
+    num_executions: int
+    sequences: list[Sequence]
+
+    def check(self) -> None:
+        _non_negative(step=self.step, num_executions=self.num_executions)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunMicrostep(Message):
+    TAG: ClassVar[str] = "run_microstep"
+    shard: Shard
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendGrads(Message):
+    """Satellite: push the summed gradients of ``step`` to the core, then forget them."""
+
+    TAG: ClassVar[str] = "send_grads"
+    step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApplyStep(Message):
+    """Core: add the satellites' gradients to its own, divide by executions, take an AdamW step."""
+
+    TAG: ClassVar[str] = "apply_step"
+    step: int
+    num_satellite_grads: int
+    num_executions: int
+
+    def check(self) -> None:
+        _non_negative(num_satellite_grads=self.num_satellite_grads)
+        if self.num_executions < 1:
+            raise ValueError("num_executions: want >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown(Message):
+    TAG: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- controller <-> proxy, processor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRoute(Message):
+    TAG: ClassVar[str] = "engine_route"
+    cell_id: int
+    url: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingTable(Message):
+    """The serving engines the proxy may send calls to; a newer ``version`` replaces an older one."""
+
+    TAG: ClassVar[str] = "routing_table"
+    version: int
+    engines: list[EngineRoute]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SealExecution(Message):
+    """The harness run is over: revoke its token and tell the processor how many calls it made."""
+
+    TAG: ClassVar[str] = "seal_execution"
+    execution_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grade(Message):
+    """An execution's outcome. ``reward`` is None when grading failed: excluded, never 0."""
+
+    TAG: ClassVar[str] = "grade"
+    execution_id: str
+    group_id: str
+    step: int
+    group_size: int
+    outcome: Outcome
+    reward: float | None
+    train: bool = True
+
+    def check(self) -> None:
+        if self.group_size < 1:
+            raise ValueError("group_size: want >= 1")
+        if self.reward is not None:
+            _finite("reward", self.reward)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardReady(Message):
+    TAG: ClassVar[str] = "shard_ready"
+    shard: Shard
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupDone(Message):
+    """The processor finished a group: its shard went out, or it was dropped (``dropped`` says why)."""
+
+    TAG: ClassVar[str] = "group_done"
+    group_id: str
+    step: int
+    num_usable: int
+    mean_reward: float | None
+    dropped: str = ""
+
+
+# ---------------------------------------------------------------- data plane: proxy -> processor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallRecord(Message):
+    """One model call, token-in/token-out, exactly as the engine saw and produced it."""
+
+    TAG: ClassVar[str] = "call_record"
+    schema: int = 1
+    execution_id: str
+    call_id: str
+    call_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: int
+    cell_id: int
+    finish_reason: FinishReason
+    lineage: Lineage = "main"
+    agent_id: str = ""
+    started_at: float
+    finished_at: float
+
+    def check(self) -> None:
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError("output_logprobs: want one per output token")
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids: empty")
+        _non_negative(call_index=self.call_index, weight_version=self.weight_version)
+        for lp in self.output_logprobs:
+            if not (lp <= 0.0 and math.isfinite(lp)):
+                raise ValueError(f"output_logprobs: want finite values <= 0, got {lp!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutionSealed(Message):
+    """Sent by the proxy after the last CallRecord of an execution, on the same socket."""
+
+    TAG: ClassVar[str] = "execution_sealed"
+    execution_id: str
+    num_calls: int
+
+
+# ---------------------------------------------------------------- data plane: weights and gradients
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullWeights(Message):
+    TAG: ClassVar[str] = "pull_weights"
+    min_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorSpec(Message):
+    TAG: ClassVar[str] = "tensor_spec"
+    name: str
+    shape: list[int]
+    offset: int  # in elements of the flat float32 buffer
+
+    def check(self) -> None:
+        _non_negative(offset=self.offset)
+        for d in self.shape:
+            _non_negative(shape=d)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsHeader(Message):
+    """Precedes a raw little-endian float32 buffer holding every tensor back to back."""
+
+    TAG: ClassVar[str] = "weights_header"
+    weight_version: int
+    num_elements: int
+    tensors: list[TensorSpec]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradsHeader(Message):
+    TAG: ClassVar[str] = "grads_header"
+    cell_id: int
+    step: int
+    num_elements: int
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.TAG: cls
+    for cls in (
+        Hello, CellReady, Heartbeat, RoleSwitched, MicrostepDone, GradsSent, StepApplied,
+        WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, RunMicrostep,
+        SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
+        ShardReady, GroupDone, CallRecord, ExecutionSealed, PullWeights, TensorSpec,
+        WeightsHeader, GradsHeader,
+    )
+}
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def to_plain(msg: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, Message):
+            value = to_plain(value)
+        elif isinstance(value, list) and value and isinstance(value[0], Message):
+            value = [to_plain(v) for v in value]
+        out[f.name] = value
+    return out
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, msg.TAG, to_plain(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes, *, expect: tuple[type[Message], ...] | None = None) -> Message:
+    """Decode and validate one frame; raise ProtocolError on anything but a valid message."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame: want bytes, got {type(frame).__name__}")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame: {len(frame)} bytes is over the {MAX_FRAME_BYTES} limit")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ProtocolError(f"frame: not MessagePack ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise ProtocolError("frame: want [version, tag, body]")
+    version, tag, body = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"frame: protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
+    cls = MESSAGES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"frame: unknown tag {tag!r}")
+    if expect is not None and cls not in expect:
+        raise ProtocolError(f"{tag}: not expected here (want {', '.join(c.TAG for c in expect)})")
+    return from_plain(cls, body, where=tag)
+
+
+def from_plain(cls: type[Message], body: Any, *, where: str) -> Message:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: want a map of fields")
+    hints = _hints(cls)
+    unknown = set(body) - set(hints)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, (hint, required) in hints.items():
+        if name not in body:
+            if required:
+                raise ProtocolError(f"{where}.{name}: missing")
+            continue
+        kwargs[name] = _check(hint, body[name], f"{where}.{name}")
+    msg = cls(**kwargs)
+    try:
+        msg.check()
+    except ValueError as exc:
+        raise ProtocolError(f"{where}.{exc}") from None
+    return msg
+
+
+_HINTS: dict[type, dict[str, tuple[Any, bool]]] = {}
+
+
+def _hints(cls: type[Message]) -> dict[str, tuple[Any, bool]]:
+    got = _HINTS.get(cls)
+    if got is None:
+        types = typing.get_type_hints(cls)
+        got = {
+            f.name: (
+                types[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)
+        }
+        _HINTS[cls] = got
+    return got
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is int:
+        if type(value) is not int:
+            raise ProtocolError(f"{where}: want int, got {type(value).__name__}")
+        return value
+    if hint is float:
+        if type(value) is float:
+            return value
+        if type(value) is int:
+            return float(value)
+        raise ProtocolError(f"{where}: want float, got {type(value).__name__}")
+    if hint is str:
+        if type(value) is not str:
+            raise ProtocolError(f"{where}: want str, got {type(value).__name__}")
+        return value
+    if hint is bool:
+        if type(value) is not bool:
+            raise ProtocolError(f"{where}: want bool, got {type(value).__name__}")
+        return value
+    if hint is bytes:
+        if type(value) is not bytes:
+            raise ProtocolError(f"{where}: want bytes, got {type(value).__name__}")
+        return value
+    if origin is Literal:
+        if value not in typing.get_args(hint) or type(value) is not str:
+            raise ProtocolError(f"{where}: want one of {list(typing.get_args(hint))}, got {value!r}")
+        return value
+    if origin in (Union, getattr(__import__("types"), "UnionType")):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(inner, value, where)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if type(value) is not list:
+            raise ProtocolError(f"{where}: want list, got {type(value).__name__}")
+        if inner is int:
+            for v in value:
+                if type(v) is not int:
+                    raise ProtocolError(f"{where}: want list of int, found {type(v).__name__}")
+            return value
+        if inner is float:
+            for v in value:
+                if type(v) is not float and type(v) is not int:
+                    raise ProtocolError(f"{where}: want list of float, found {type(v).__name__}")
+            return value
+        return [_check(inner, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = typing.get_args(hint)
+        if type(value) is not dict:
+            raise ProtocolError(f"{where}: want map, got {type(value).__name__}")
+        return {_check(kt, k, f"{where} key"): _check(vt, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return from_plain(hint, value, where=where)
+    raise TypeError(f"wire: no checker for {hint!r} at {where}")  # our own bug, not bad input

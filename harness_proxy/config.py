@@ -1,0 +1,21 @@
+"""Typed mirror of conf/proxy/*.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    host: str
+    port: int
+    """0 picks a free port."""
+    model_name: str
+    """The model id harnesses see (OpenAI `/v1/models`)."""
+    max_request_bytes: int
+    max_context_tokens: int
+    """Prompts longer than this are refused (400), never truncated."""
+    max_new_tokens_cap: int
+    engine_timeout_s: float
+    retry_attempts: int
+    """Engines tried for one call before the harness gets an error (503 while re-routing)."""

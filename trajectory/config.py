@@ -1,0 +1,31 @@
+"""Typed mirror of conf/algo/*.yaml: GSPO (advantages here, the loss in the trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    kind: Literal["gspo"]
+    eps_low: float
+    """Sequence ratio clipped below at 1 - eps_low."""
+    eps_high: float
+    """Sequence ratio clipped above at 1 + eps_high."""
+    ratio_unit: Literal["trajectory", "execution"]
+    """Policy tokens the length-normalised ratio is taken over. Default `trajectory`: one ratio per
+    training sequence, as in the GSPO paper; `execution` pools all of an execution's sequences."""
+    adv_eps: float
+    lr: float
+    betas: tuple[float, ...]
+    weight_decay: float
+    grad_clip: float
+    """Global grad-norm clip on the combined gradient; 0 disables."""
+    max_tokens_per_microstep: int
+
+    def check(self) -> None:
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError("eps_low/eps_high: want 0 <= eps_low < 1 and eps_high >= 0")
+        if len(self.betas) != 2:
+            raise ValueError("betas: want two numbers")

@@ -42,6 +42,10 @@ class ClusterConfig:
     heartbeat_timeout_s: float
     """A cell silent this long is dropped and its work re-routed."""
     start_timeout_s: float
+    drain_timeout_s: float
+    """A cell turning to training lets in-flight calls finish this long, then aborts them (the
+    proxy re-routes them)."""
+    transfer_timeout_s: float
 
     def check(self) -> None:
         if self.num_cells < 1:

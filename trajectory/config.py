@@ -13,9 +13,9 @@ class AlgoConfig:
     """Sequence ratio clipped below at 1 - eps_low."""
     eps_high: float
     """Sequence ratio clipped above at 1 + eps_high."""
-    ratio_unit: Literal["trajectory", "execution"]
-    """Policy tokens the length-normalised ratio is taken over. Default `trajectory`: one ratio per
-    training sequence, as in the GSPO paper; `execution` pools all of an execution's sequences."""
+    ratio_unit: Literal["trajectory"]
+    """Policy tokens the length-normalised ratio is taken over: one ratio per training sequence
+    (trajectory), as in the GSPO paper. Pooling per execution is a planned second choice."""
     adv_eps: float
     lr: float
     betas: tuple[float, ...]
@@ -23,6 +23,8 @@ class AlgoConfig:
     grad_clip: float
     """Global grad-norm clip on the combined gradient; 0 disables."""
     max_tokens_per_microstep: int
+    max_trajectories_per_execution: int
+    """Bounded sampling: at most this many trajectories of one execution are trained (by priority)."""
 
     def check(self) -> None:
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):

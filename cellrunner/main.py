@@ -1,0 +1,302 @@
+"""One cell's muscle: serve with the engine or train with the trainer, as the controller says.
+
+The cellrunner never decides its role. It obeys SwitchRole / LoadWeights / RunMicrostep /
+SendGrads / ApplyStep from the controller (ZeroMQ DEALER -> the controller's ROUTER), times every
+phase of a switch, and sends heartbeats. The core cell also owns the authoritative weights and
+optimizer state (its trainer's replica lives across switches), serves them to other cells, and
+takes the satellites' gradient sums on a PULL socket.
+
+    python -m cellrunner.main --config-json F --cell-id N --controller tcp://H:P
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+import zmq
+
+from cellrunner.config import ModelConfig
+from cellrunner.engine import EmbeddedEngine
+from cellrunner.model import FlatWeights, build_model, flatten_params
+from cellrunner.trainer import EmbeddedTrainer
+from cellrunner.transfer import WeightServer, pull_weights, recv_grads, send_grads
+from controller import wire
+from controller.typed_config import build
+from harness_proxy.tokenizer import get_tokenizer
+from trajectory.config import AlgoConfig
+
+log = logging.getLogger("cellrunner")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellRunnerConfig:
+    """What a cellrunner process gets from the controller (sub-configs of the root)."""
+
+    model: ModelConfig
+    algo: AlgoConfig
+    host: str
+    core_cell: int
+    torch_threads: int
+    heartbeat_interval_s: float
+    drain_timeout_s: float
+    capacity_per_cell: int
+    transfer_timeout_s: float
+    seed: int
+
+
+class CellRunner:
+    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str):
+        self.cfg = cfg
+        self.cell_id = cell_id
+        self.is_core = cell_id == cfg.core_cell
+        self.ctx = zmq.Context.instance()
+        self.ctl = self.ctx.socket(zmq.DEALER)
+        self.ctl.setsockopt(zmq.IDENTITY, f"cell-{cell_id}".encode())
+        self.ctl.setsockopt(zmq.LINGER, 1000)
+        self.ctl.connect(controller_addr)
+        tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
+        self.vocab_size = tok.vocab_size
+        self.trainer = EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=self.vocab_size, is_core=self.is_core)
+        self.engine = EmbeddedEngine(
+            model_cfg=cfg.model, vocab_size=self.vocab_size, host=cfg.host, port=0,
+            cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=cfg.seed * 1000 + cell_id,
+        )
+        self.phase: wire.CellPhase = "starting"
+        self.core_weights_addr = ""
+        self.core_grads_addr = ""
+        self.weight_server: WeightServer | None = None
+        self.grads_in: zmq.Socket | None = None
+        self.pending_grads: dict[int, list] = {}
+        self.running = True
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.send(wire.Hello(peer="cell", cell_id=self.cell_id, pid=os.getpid()))
+        if self.is_core:
+            self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
+            self.weight_server = WeightServer(self.ctx, f"tcp://{self.cfg.host}:0")
+            self.weight_server.publish(self.trainer.weights())
+            self.weight_server.start()
+            self.grads_in = self.ctx.socket(zmq.PULL)
+            self.grads_in.setsockopt(zmq.LINGER, 0)
+            self.grads_in.bind(f"tcp://{self.cfg.host}:0")
+            self.core_weights_addr = self.weight_server.addr
+            self.core_grads_addr = self.grads_in.getsockopt_string(zmq.LAST_ENDPOINT)
+            initial = self.trainer.weights()
+        else:
+            initial = flatten_params(build_model(self.cfg.model, self.vocab_size), 0)
+        self.engine.start()
+        self.engine.resume(initial)
+        self.phase = "serving"
+        self.send(wire.CellReady(
+            cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
+            grads_addr=self.core_grads_addr, is_core=self.is_core,
+        ))
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.setup()
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        if self.grads_in is not None:
+            poller.register(self.grads_in, zmq.POLLIN)
+        next_beat = 0.0
+        while self.running:
+            now = time.monotonic()
+            if now >= next_beat:
+                self.heartbeat()
+                next_beat = now + self.cfg.heartbeat_interval_s
+            events = dict(poller.poll(int(self.cfg.heartbeat_interval_s * 1000)))
+            if self.grads_in is not None and self.grads_in in events:
+                self.take_grads_frame()
+            if self.ctl in events:
+                self.handle(self.ctl.recv())
+        self.shutdown()
+
+    def handle(self, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame)
+        except wire.ProtocolError as exc:
+            log.error("cell %d: rejected control frame: %s", self.cell_id, exc)
+            self.send(wire.ErrorReply(where=f"cell-{self.cell_id}", message=str(exc)))
+            return
+        handler = self.handlers().get(type(msg))
+        if handler is None:
+            log.error("cell %d: %s is not a command for a cell", self.cell_id, msg.TAG)
+            self.send(wire.ErrorReply(where=f"cell-{self.cell_id}", message=f"unexpected {msg.TAG}"))
+            return
+        try:
+            handler(msg)
+        except Exception as exc:  # report, keep the cell alive; the controller decides what next
+            log.exception("cell %d: %s failed", self.cell_id, msg.TAG)
+            self.send(wire.ErrorReply(where=f"cell-{self.cell_id}:{msg.TAG}", message=f"{type(exc).__name__}: {exc}"))
+
+    def handlers(self):
+        return {
+            wire.SwitchRole: self.on_switch_role,
+            wire.LoadWeights: self.on_load_weights,
+            wire.RunMicrostep: self.on_run_microstep,
+            wire.SendGrads: self.on_send_grads,
+            wire.ApplyStep: self.on_apply_step,
+            wire.Shutdown: self.on_shutdown,
+            wire.ErrorReply: lambda m: log.error("cell %d: controller says: %s", self.cell_id, m.message),
+        }
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def on_switch_role(self, msg: wire.SwitchRole) -> None:
+        self.core_weights_addr = msg.core_weights_addr or self.core_weights_addr
+        self.core_grads_addr = msg.core_grads_addr or self.core_grads_addr
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        if msg.role == "train":
+            self.phase = "draining"
+            aborted = self.engine.drain(self.cfg.drain_timeout_s)
+            phases["drain"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.phase = "to_train"
+            self.engine.release()
+            phases["release"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            weights = None if self.is_core else self.fetch_weights(msg.weight_version)
+            phases["pull"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            self.trainer.start(weights)
+            phases["start_trainer"] = time.perf_counter() - t3
+            self.phase = "training"
+            log.info("cell %d: serve -> train in %.3fs (aborted %d calls)", self.cell_id, time.perf_counter() - t0, aborted)
+        else:
+            self.phase = "to_serve"
+            self.trainer.stop()
+            phases["stop_trainer"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            weights = self.trainer.weights() if self.is_core else self.fetch_weights(msg.weight_version)
+            phases["pull"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.engine.resume(weights)
+            phases["resume_engine"] = time.perf_counter() - t2
+            self.phase = "serving"
+            log.info("cell %d: train -> serve in %.3fs", self.cell_id, time.perf_counter() - t0)
+        self.send(wire.RoleSwitched(
+            cell_id=self.cell_id, role=msg.role, weight_version=self.current_version(),
+            total_s=time.perf_counter() - t0, phases_s=phases,
+        ))
+
+    def on_load_weights(self, msg: wire.LoadWeights) -> None:
+        self.core_weights_addr = msg.core_weights_addr or self.core_weights_addr
+        t0 = time.perf_counter()
+        if self.phase == "serving":
+            weights = self.trainer.weights() if self.is_core else self.fetch_weights(msg.weight_version)
+            self.engine.update_weights(weights)
+        elif self.phase == "training" and not self.is_core:
+            if self.trainer.num_microsteps:
+                raise RuntimeError("load_weights while holding unsent gradients")
+            self.trainer.start(self.fetch_weights(msg.weight_version))
+        # the core's trainer replica is the authority: nothing to load
+        self.send(wire.WeightsLoaded(cell_id=self.cell_id, weight_version=self.current_version(), load_s=time.perf_counter() - t0))
+
+    def on_run_microstep(self, msg: wire.RunMicrostep) -> None:
+        shard = msg.shard
+        if self.phase != "training":
+            raise RuntimeError(f"microstep while {self.phase}")
+        if self.trainer.version != shard.step:
+            raise RuntimeError(f"shard of step {shard.step} on weights version {self.trainer.version}")
+        res = self.trainer.microstep(shard)
+        self.send(wire.MicrostepDone(
+            cell_id=self.cell_id, step=shard.step, shard_id=shard.shard_id,
+            num_tokens=res.num_tokens, loss=res.loss, fb_s=res.fb_s,
+        ))
+
+    def on_send_grads(self, msg: wire.SendGrads) -> None:
+        n = self.trainer.num_microsteps
+        grads = self.trainer.take_grads()
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 5000)
+        push.connect(self.core_grads_addr)
+        send_grads(push, cell_id=self.cell_id, step=msg.step, grads=grads)
+        push.close()  # linger flushes the frame before the socket goes
+        self.send(wire.GradsSent(cell_id=self.cell_id, step=msg.step, num_shards=n))
+
+    def on_apply_step(self, msg: wire.ApplyStep) -> None:
+        if not self.is_core or self.phase != "training":
+            raise RuntimeError("apply_step needs the core cell in training")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        while len(self.pending_grads.get(msg.step, [])) < msg.num_satellite_grads:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"step {msg.step}: only {len(self.pending_grads.get(msg.step, []))} of {msg.num_satellite_grads} satellite gradients arrived")
+            if self.grads_in.poll(100):
+                self.take_grads_frame()
+        grads = self.pending_grads.pop(msg.step, [])
+        weights, norm = self.trainer.apply(grads, msg.num_executions)
+        self.weight_server.publish(weights)
+        self.send(wire.StepApplied(
+            cell_id=self.cell_id, step=msg.step, weight_version=weights.version,
+            grad_norm=norm, apply_s=time.perf_counter() - t0,
+        ))
+
+    def on_shutdown(self, msg: wire.Shutdown) -> None:
+        self.running = False
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def take_grads_frame(self) -> None:
+        parts = self.grads_in.recv_multipart()
+        try:
+            header, grads = recv_grads(parts)
+        except wire.ProtocolError as exc:
+            log.error("core: rejected gradient frame: %s", exc)
+            return
+        self.pending_grads.setdefault(header.step, []).append(grads)
+
+    def fetch_weights(self, version: int) -> FlatWeights:
+        return pull_weights(self.ctx, self.core_weights_addr, version, self.cfg.transfer_timeout_s)
+
+    def current_version(self) -> int:
+        if self.phase in ("serving", "draining"):
+            return self.engine.weight_version if self.engine.weight_version is not None else -1
+        return self.trainer.version
+
+    def heartbeat(self) -> None:
+        self.send(wire.Heartbeat(
+            cell_id=self.cell_id, phase=self.phase, num_running=self.engine.num_running(),
+            weight_version=max(self.current_version(), 0), rss_bytes=psutil.Process().memory_info().rss,
+        ))
+
+    def send(self, msg: wire.Message) -> None:
+        self.ctl.send(wire.encode(msg))
+
+    def shutdown(self) -> None:
+        self.engine.stop()
+        if self.weight_server is not None:
+            self.weight_server.close()
+        self.ctl.close(linger=500)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--cell-id", type=int, required=True)
+    ap.add_argument("--controller", required=True)
+    args = ap.parse_args()
+    with open(args.config_json) as f:
+        cfg = build(CellRunnerConfig, json.load(f))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell{args.cell_id} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.torch_threads)
+    runner = CellRunner(cfg, args.cell_id, args.controller)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
+    runner.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The embedded trainer: one torch replica of the policy, behind the interface Megatron fills.
+
+A replica runs microsteps (forward + backward on one shard, gradients accumulate) and hands its
+gradient sum over. Only the core's replica owns the authoritative weights and the AdamW state:
+``apply`` adds the satellites' sums to its own, divides by the step's executions (the fair
+weighting: a mean of per-execution means) and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cellrunner.config import ModelConfig
+from cellrunner.gspo import gspo_loss, pack, token_logprobs
+from cellrunner.model import FlatWeights, build_model, flatten_grads, flatten_params, load_flat
+from controller.wire import Sequence, Shard
+from trajectory.config import AlgoConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MicrostepResult:
+    num_tokens: int
+    loss: float
+    fb_s: float
+    mean_ratio: float
+    clip_fraction: float
+
+
+def split_by_tokens(sequences: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """Chunks of sequences whose padded size stays near ``max_tokens`` (one sequence at least)."""
+    chunks: list[list[Sequence]] = []
+    cur: list[Sequence] = []
+    longest = 0
+    for s in sorted(sequences, key=lambda s: len(s.tokens)):
+        longest_if = max(longest, len(s.tokens))
+        if cur and longest_if * (len(cur) + 1) > max_tokens:
+            chunks.append(cur)
+            cur, longest_if = [], len(s.tokens)
+        cur.append(s)
+        longest = longest_if
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+class EmbeddedTrainer:
+    def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool):
+        self.model_cfg = model_cfg
+        self.algo = algo
+        self.vocab_size = vocab_size
+        self.is_core = is_core
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = -1
+        self.num_microsteps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, weights: FlatWeights | None) -> None:
+        """Build the replica. The core keeps its model and optimizer across role switches."""
+        if self.model is None:
+            self.model = build_model(self.model_cfg, self.vocab_size)
+            if weights is None:
+                self.version = 0  # the seeded init is version 0 everywhere
+        if weights is not None:
+            load_flat(self.model, weights)
+            self.version = weights.version
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        self.num_microsteps = 0
+        if self.is_core and self.optimizer is None:
+            b1, b2 = self.algo.betas
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=self.algo.lr, betas=(b1, b2), weight_decay=self.algo.weight_decay
+            )
+
+    def stop(self) -> None:
+        """Satellites drop everything; the core keeps weights and optimizer state (it owns them)."""
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        if not self.is_core:
+            self.model = None
+            self.version = -1
+            gc.collect()
+
+    def weights(self) -> FlatWeights:
+        assert self.model is not None
+        return flatten_params(self.model, self.version)
+
+    # -- work ----------------------------------------------------------------------------------
+
+    def microstep(self, shard: Shard) -> MicrostepResult:
+        assert self.model is not None, "microstep before start()"
+        t0 = time.perf_counter()
+        total_loss, num_tokens, ratios, clips, n = 0.0, 0, 0.0, 0.0, 0
+        for chunk in split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep):
+            batch = pack(chunk)
+            logprobs = token_logprobs(self.model, batch)
+            loss, stats = gspo_loss(logprobs, batch, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high)
+            loss.backward()
+            total_loss += stats.loss
+            num_tokens += stats.num_targets
+            ratios += stats.mean_ratio * len(chunk)
+            clips += stats.clip_fraction * len(chunk)
+            n += len(chunk)
+        self.num_microsteps += 1
+        return MicrostepResult(
+            num_tokens=num_tokens,
+            loss=total_loss,
+            fb_s=time.perf_counter() - t0,
+            mean_ratio=ratios / max(n, 1),
+            clip_fraction=clips / max(n, 1),
+        )
+
+    def take_grads(self) -> np.ndarray:
+        """The summed gradient of every microstep since the last call, flat; then zero it."""
+        assert self.model is not None
+        flat = flatten_grads(self.model)
+        self.model.zero_grad(set_to_none=True)
+        self.num_microsteps = 0
+        return flat
+
+    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
+        """Core only: combine gradients, mean over executions, clip, AdamW step -> next version."""
+        assert self.is_core and self.model is not None and self.optimizer is not None
+        total = flatten_grads(self.model)
+        for g in satellite_grads:
+            if g.shape != total.shape:
+                raise ValueError(f"satellite gradient has {g.size} elements, want {total.size}")
+            total += g
+        total /= float(num_executions)
+        flat = torch.from_numpy(total)
+        offset = 0
+        for p in self.model.parameters():
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        norm = float(torch.linalg.vector_norm(flat).item())
+        if self.algo.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.num_microsteps = 0
+        self.version += 1
+        return self.weights(), norm

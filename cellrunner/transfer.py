@@ -1,0 +1,115 @@
+"""Weights and gradients between cells over ZeroMQ: raw float32 buffers behind a wire header.
+
+The core serves its current weights to any cell that asks (satellites joining a step, serving
+cells loading a new version); satellites push gradient sums to the core. Frames are
+``[header, raw bytes]``: the header is a validated wire message, the raw part is checked against
+it, and nothing is unpickled. The Mooncake Transfer Engine path (``transfer=mooncake``) plugs in
+behind ``pull_weights`` in the elastic-cells work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import zmq
+
+from cellrunner.model import FlatWeights
+from controller.wire import (
+    ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsHeader, decode, encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightServer:
+    """Answers PullWeights with the newest FlatWeights, on its own thread."""
+
+    def __init__(self, ctx: zmq.Context, bind_addr: str):
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind_addr)
+        self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._weights: FlatWeights | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+
+    def publish(self, weights: FlatWeights) -> None:
+        with self._lock:
+            self._weights = weights
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, frame = self._sock.recv_multipart()[:2]
+            try:
+                req = decode(frame, expect=(PullWeights,))
+            except ProtocolError as exc:
+                log.warning("weight server: rejected request: %s", exc)
+                self._sock.send_multipart([ident, encode(ErrorReply(where="pull_weights", message=str(exc)))])
+                continue
+            with self._lock:
+                w = self._weights
+            if w is None or w.version < req.min_version:
+                have = -1 if w is None else w.version
+                msg = f"have version {have}, asked for >= {req.min_version}"
+                self._sock.send_multipart([ident, encode(ErrorReply(where="pull_weights", message=msg))])
+                continue
+            header = WeightsHeader(weight_version=w.version, num_elements=int(w.data.size), tensors=list(w.specs))
+            self._sock.send_multipart([ident, encode(header), memoryview(w.data)], copy=False)
+        self._sock.close(0)
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        sock.send(encode(PullWeights(min_version=min_version)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TransferError(f"no weights from {addr} within {timeout_s}s")
+        parts = sock.recv_multipart(copy=False)
+    finally:
+        sock.close(0)
+    try:
+        header = decode(parts[0].bytes, expect=(WeightsHeader, ErrorReply))
+    except ProtocolError as exc:
+        raise TransferError(f"bad weights header from {addr}: {exc}") from None
+    if isinstance(header, ErrorReply):
+        raise TransferError(f"weight server {addr}: {header.message}")
+    if len(parts) != 2 or len(parts[1].buffer) != header.num_elements * 4:
+        raise TransferError(f"weights from {addr}: payload does not match header ({header.num_elements} floats)")
+    data = np.frombuffer(parts[1].buffer, dtype="<f4").copy()
+    return FlatWeights(header.weight_version, tuple(header.tensors), data)
+
+
+def send_grads(sock: zmq.Socket, *, cell_id: int, step: int, grads: np.ndarray) -> None:
+    header = GradsHeader(cell_id=cell_id, step=step, num_elements=int(grads.size))
+    sock.send_multipart([encode(header), memoryview(np.ascontiguousarray(grads, dtype="<f4"))], copy=False)
+
+
+def recv_grads(parts: list[bytes]) -> tuple[GradsHeader, np.ndarray]:
+    """Validate one gradient frame from the core's PULL socket; ProtocolError if malformed."""
+    if len(parts) != 2:
+        raise ProtocolError("grads: want [header, payload]")
+    header = decode(parts[0], expect=(GradsHeader,))
+    if len(parts[1]) != header.num_elements * 4:
+        raise ProtocolError(f"grads: payload is {len(parts[1])} bytes, header says {header.num_elements} floats")
+    return header, np.frombuffer(parts[1], dtype="<f4").copy()

@@ -1,0 +1,502 @@
+"""The one brain: starts the processes, runs the execution lifecycle, steps and role switches.
+
+One thread, one ZeroMQ ROUTER: cellrunners, the proxy and the processor are DEALER peers. Each
+tick gathers state (messages, harness exits, heartbeats), asks the pure scheduler what to do,
+and applies it. Every decoded message is validated; a bad one is logged and answered with an
+ErrorReply, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from controller import wire
+from controller.cells import Cell, CellRegistry
+from controller.config import GyreConfig
+from controller.executions import Execution, ExecutionManager
+from controller.processes import StartError, log_tail, spawn, stop, wait_ready
+from controller.report import MetricsSink
+from controller.scheduler import SchedulerView, decide
+from controller.steps import StepCoordinator
+from controller.typed_config import to_dict
+from workloads.tasks import make_tasks
+
+log = logging.getLogger(__name__)
+
+MAX_REPLACEMENT_GROUPS_PER_STEP = 4
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class EvalRound:
+    label: str
+    at_step: int
+    executions: list[Execution] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(not ex.live for ex in self.executions)
+
+    def mean(self) -> float:
+        # A failed grade (None) counts as 0 here on purpose: eval measures what the policy did.
+        return sum(ex.reward or 0.0 for ex in self.executions) / len(self.executions)
+
+
+class Controller:
+    def __init__(self, cfg: GyreConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.log_dir = run_dir / "logs"
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.bind(f"tcp://{cfg.cluster.host}:{cfg.cluster.controller_port}")
+        self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.cells = CellRegistry(cfg.cluster.num_cells, cfg.cluster.core_cell)
+        self.steps = StepCoordinator(core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps)
+        self.metrics = MetricsSink(run_dir / "metrics.jsonl")
+        self.train_tasks, self.eval_tasks = make_tasks(cfg.workload)
+        self.rng = random.Random(cfg.run.seed)
+        self.secret = secrets.token_bytes(32)
+        self.children: dict[str, object] = {}
+        self.executions: ExecutionManager | None = None
+        self.proxy_url = ""
+        self.routing_version = 0
+        self.routed: tuple = ()
+        self.planned_steps = 0
+        self.replacements: dict[int, int] = {}
+        self.stage = "starting"  # starting -> eval_start -> train -> final -> eval_end -> done
+        self.evals: list[EvalRound] = []
+        self.step_rewards: list[tuple[int, float]] = []
+        self.num_bad_frames = 0
+        self.num_groups_dropped = 0
+        self.peers_seen: set[str] = set()
+        self.identities: dict[str, bytes] = {}
+        self.t0 = time.monotonic()
+        self.next_progress = 0.0
+
+    # ================================================================ start and stop
+
+    def start(self) -> None:
+        c = self.cfg
+        proc_ready = self._start_child(
+            "processor", "trajectory.main",
+            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group},
+             "max_trajectories": c.algo.max_trajectories_per_execution},
+            ["--bind-records", f"tcp://{c.cluster.host}:0", "--log-dir", str(self.run_dir / "processor")],
+        )
+        proxy_ready = self._start_child(
+            "proxy", "harness_proxy.main",
+            {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
+            ["--processor", proc_ready["records_addr"], "--secret-hex", self.secret.hex()],
+        )
+        self.proxy_url = proxy_ready["url"]
+        self.executions = ExecutionManager(
+            workload=c.workload, run_dir=self.run_dir, proxy_url=self.proxy_url,
+            model_name=c.proxy.model_name, secret=self.secret,
+        )
+        cell_cfg = {
+            "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
+            "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
+            "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
+            "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
+            "seed": c.run.seed,
+        }
+        cfg_path = self._write_json("cellrunner.json", cell_cfg)
+        for cell in self.cells.cells.values():
+            cell.proc = spawn(f"cell{cell.cell_id}", "cellrunner.main",
+                              ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr],
+                              self.log_dir)
+        deadline = time.monotonic() + c.cluster.start_timeout_s
+        while any(cell.phase == "starting" for cell in self.cells.cells.values()):
+            if time.monotonic() > deadline:
+                raise StartError("cells not ready in time")
+            for cell in self.cells.cells.values():
+                if cell.proc.poll() is not None and cell.phase == "starting":
+                    raise StartError(f"cell {cell.cell_id} exited:\n{log_tail(self.log_dir, f'cell{cell.cell_id}')}")
+            self._drain_socket(timeout_ms=100)
+        for name in ("processor", "proxy"):
+            if name not in self.peers_seen:
+                self._drain_socket(timeout_ms=200)
+        self.push_routing()
+        self.stage = "eval_start" if c.run.eval_at_start else "train"
+        if self.stage == "eval_start":
+            self.start_eval("start")
+        log.info("gyre: %d cells up, proxy at %s, controller at %s", len(self.cells.cells), self.proxy_url, self.addr)
+
+    def _start_child(self, name: str, module: str, config: dict, extra: list[str]) -> dict:
+        cfg_path = self._write_json(f"{name}.json", config)
+        ready = self.run_dir / f"{name}.ready"
+        proc = spawn(name, module, ["--config-json", str(cfg_path), "--controller", self.addr,
+                                    "--ready-file", str(ready), *extra], self.log_dir)
+        self.children[name] = proc
+        return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
+
+    def _write_json(self, name: str, obj: dict) -> Path:
+        path = self.run_dir / name
+        path.write_text(json.dumps(obj, indent=1))
+        return path
+
+    def shutdown(self) -> None:
+        if self.executions is not None:
+            self.executions.kill_all()
+        for cell in self.cells.alive():
+            self.send_to(f"cell-{cell.cell_id}", wire.Shutdown(reason="run over"))
+        procs = [c.proc for c in self.cells.cells.values() if c.proc is not None] + list(self.children.values())
+        stop(procs, grace_s=8.0)
+        self.metrics.close()
+        self.sock.close(0)
+
+    # ================================================================ the loop
+
+    def run(self) -> None:
+        while self.stage != "done":
+            self.tick()
+
+    def tick(self) -> None:
+        self._drain_socket(timeout_ms=20)
+        now = time.monotonic()
+        for ex in self.executions.poll(now):
+            self.on_execution_ended(ex)
+        self.check_cells(now)
+        self.plan_steps()
+        self.launch_executions(now)
+        self.apply_schedule(now)
+        self.drive_steps()
+        self.push_routing()
+        self.advance_stage()
+        if now >= self.next_progress:
+            self.progress(now)
+            self.next_progress = now + self.cfg.run.progress_every_s
+
+    def _drain_socket(self, timeout_ms: int) -> None:
+        if not self.sock.poll(timeout_ms):
+            return
+        while True:
+            try:
+                ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                self.num_bad_frames += 1
+                log.error("control socket: a frame without identity and body; ignored")
+                continue
+            self.on_frame(ident, frame)
+
+    # ================================================================ messages in
+
+    def on_frame(self, ident: bytes, frame: bytes) -> None:
+        try:
+            msg = wire.decode(frame)
+        except wire.ProtocolError as exc:
+            self.num_bad_frames += 1
+            log.error("control socket: rejected frame from %r: %s", ident, exc)
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=str(exc)))
+            return
+        handler = {
+            wire.Hello: self.on_hello, wire.CellReady: self.on_cell_ready, wire.Heartbeat: self.on_heartbeat,
+            wire.RoleSwitched: self.on_role_switched, wire.MicrostepDone: self.on_microstep_done,
+            wire.GradsSent: self.on_grads_sent, wire.StepApplied: self.on_step_applied,
+            wire.WeightsLoaded: self.on_weights_loaded, wire.ShardReady: self.on_shard_ready,
+            wire.GroupDone: self.on_group_done, wire.ErrorReply: self.on_error_reply,
+        }.get(type(msg))
+        if handler is None:
+            self.num_bad_frames += 1
+            log.error("control socket: %s from %r is not a message for the controller", msg.TAG, ident)
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=f"unexpected {msg.TAG}"))
+            return
+        handler(ident, msg)
+
+    def on_hello(self, ident: bytes, msg: wire.Hello) -> None:
+        name = msg.peer if msg.peer != "cell" else f"cell-{msg.cell_id}"
+        if msg.peer == "cell" and msg.cell_id not in self.cells.cells:
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=f"no cell {msg.cell_id}"))
+            return
+        self.identities[name] = ident
+        self.peers_seen.add(msg.peer if msg.peer != "cell" else name)
+
+    def _cell(self, ident: bytes, cell_id: int) -> Cell | None:
+        cell = self.cells.cells.get(cell_id)
+        if cell is None or self.identities.get(f"cell-{cell_id}") != ident:
+            self.num_bad_frames += 1
+            log.error("control socket: %r speaks for cell %d, which it is not", ident, cell_id)
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=f"not cell {cell_id}"))
+            return None
+        return cell
+
+    def on_cell_ready(self, ident: bytes, msg: wire.CellReady) -> None:
+        cell = self._cell(ident, msg.cell_id)
+        if cell is None or cell.phase != "starting":
+            return
+        cell.engine_url, cell.weights_addr, cell.grads_addr = msg.engine_url, msg.weights_addr, msg.grads_addr
+        now = time.monotonic()
+        cell.last_seen = now
+        cell.phase_since = now
+        cell.set_phase("serving", now)
+
+    def on_heartbeat(self, ident: bytes, msg: wire.Heartbeat) -> None:
+        cell = self._cell(ident, msg.cell_id)
+        if cell is not None:
+            cell.last_seen = time.monotonic()
+            cell.num_running = msg.num_running
+
+    def on_role_switched(self, ident: bytes, msg: wire.RoleSwitched) -> None:
+        cell = self._cell(ident, msg.cell_id)
+        if cell is None or cell.phase == "dead":
+            return
+        now = time.monotonic()
+        cell.set_phase("training" if msg.role == "train" else "serving", now)
+        cell.weight_version = msg.weight_version
+        cell.switches.append({"role": msg.role, "total_s": msg.total_s, "phases_s": msg.phases_s})
+        self.metrics.log("switch", t=now - self.t0, cell=cell.cell_id, role=msg.role, total_s=msg.total_s, phases_s=msg.phases_s)
+        if msg.weight_version < self.steps.version and not cell.is_core:
+            self.send_to(f"cell-{cell.cell_id}", wire.LoadWeights(weight_version=self.steps.version, core_weights_addr=self.core_addr()))
+
+    def on_microstep_done(self, ident: bytes, msg: wire.MicrostepDone) -> None:
+        if self._cell(ident, msg.cell_id) is not None:
+            self.steps.on_microstep_done(msg.cell_id, msg.step, msg.shard_id, msg.loss, msg.num_tokens)
+
+    def on_grads_sent(self, ident: bytes, msg: wire.GradsSent) -> None:
+        if self._cell(ident, msg.cell_id) is not None:
+            self.steps.on_grads_sent(msg.cell_id, msg.step)
+
+    def on_step_applied(self, ident: bytes, msg: wire.StepApplied) -> None:
+        core = self._cell(ident, msg.cell_id)
+        if core is None:
+            return
+        st = self.steps.on_step_applied(msg.step, msg.weight_version)
+        core.weight_version = msg.weight_version
+        now = time.monotonic()
+        if st.mean_reward is not None:
+            self.step_rewards.append((msg.step, st.mean_reward))
+        self.metrics.log(
+            "step", t=now - self.t0, step=msg.step, weight_version=msg.weight_version, reward_mean=st.mean_reward,
+            num_executions=st.num_executions, groups_dropped=st.groups_dropped, loss=st.loss,
+            num_tokens=st.num_tokens, grad_norm=msg.grad_norm, apply_s=msg.apply_s,
+            trainers=sorted(st.done_by_cell),
+        )
+        log.info("step %d applied -> version %d (reward %.3f, %d executions, %d shards on cells %s)",
+                 msg.step, msg.weight_version, st.mean_reward or 0.0, st.num_executions,
+                 sum(len(v) for v in st.done_by_cell.values()), sorted(st.done_by_cell))
+        for cell in self.cells.in_phase("serving", "training"):
+            if not cell.is_core:
+                self.send_to(f"cell-{cell.cell_id}", wire.LoadWeights(weight_version=msg.weight_version, core_weights_addr=self.core_addr()))
+            elif cell.phase == "serving":
+                self.send_to(f"cell-{cell.cell_id}", wire.LoadWeights(weight_version=msg.weight_version, core_weights_addr=""))
+
+    def on_weights_loaded(self, ident: bytes, msg: wire.WeightsLoaded) -> None:
+        cell = self._cell(ident, msg.cell_id)
+        if cell is not None:
+            cell.weight_version = msg.weight_version
+
+    def on_shard_ready(self, ident: bytes, msg: wire.ShardReady) -> None:
+        if self._is_peer(ident, "processor"):
+            self.steps.on_shard(msg.shard)
+
+    def on_group_done(self, ident: bytes, msg: wire.GroupDone) -> None:
+        if not self._is_peer(ident, "processor"):
+            return
+        if self.steps.on_group_done(msg):
+            self.num_groups_dropped += 1
+            n = self.replacements.get(msg.step, 0)
+            log.warning("group %s of step %d dropped (%s)%s", msg.group_id, msg.step, msg.dropped,
+                        "; planning a replacement" if n < MAX_REPLACEMENT_GROUPS_PER_STEP else "")
+            if n < MAX_REPLACEMENT_GROUPS_PER_STEP:
+                self.replacements[msg.step] = n + 1
+                self.plan_groups(msg.step, 1, tag=f"r{n}")
+
+    def on_error_reply(self, ident: bytes, msg: wire.ErrorReply) -> None:
+        log.error("peer %r reports an error in %s: %s", ident, msg.where, msg.message)
+
+    def _is_peer(self, ident: bytes, name: str) -> bool:
+        if self.identities.get(name) == ident:
+            return True
+        self.num_bad_frames += 1
+        log.error("control socket: %r sent a %s-only message", ident, name)
+        self.send_raw(ident, wire.ErrorReply(where="controller", message=f"only the {name} sends this"))
+        return False
+
+    # ================================================================ messages out
+
+    def send_raw(self, ident: bytes, msg: wire.Message) -> None:
+        try:
+            self.sock.send_multipart([ident, wire.encode(msg)])
+        except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY: the peer is gone
+            log.warning("control socket: cannot reach %r: %s", ident, exc)
+
+    def send_to(self, name: str, msg: wire.Message) -> None:
+        ident = self.identities.get(name)
+        if ident is None:
+            log.error("no peer %s to send %s to", name, msg.TAG)
+            return
+        self.send_raw(ident, msg)
+
+    def core_addr(self) -> str:
+        return self.cells.core.weights_addr
+
+    def push_routing(self) -> None:
+        routes = tuple((c.cell_id, c.engine_url) for c in self.cells.in_phase("serving"))
+        if self.stage == "eval_end":
+            routes = tuple((i, u) for i, u in routes if self.cells.cells[i].weight_version == self.steps.version)
+        if routes == self.routed or "proxy" not in self.identities:
+            return
+        self.routed = routes
+        self.routing_version += 1
+        self.send_to("proxy", wire.RoutingTable(
+            version=self.routing_version, engines=[wire.EngineRoute(cell_id=i, url=u) for i, u in routes]))
+
+    # ================================================================ executions
+
+    def plan_steps(self) -> None:
+        if self.stage != "train":
+            return
+        limit = min(self.cfg.run.steps, self.steps.version + self.cfg.scheduler.staleness + 1)
+        while self.planned_steps < limit:
+            self.plan_groups(self.planned_steps, self.cfg.workload.groups_per_step, tag="g")
+            self.planned_steps += 1
+
+    def plan_groups(self, step: int, num_groups: int, *, tag: str) -> None:
+        w = self.cfg.workload
+        self.steps.plan(step, num_groups)
+        for g in range(num_groups):
+            task = self.rng.choice(self.train_tasks)
+            self.executions.plan_group(step=step, group_id=f"s{step}-{tag}{g}", task=task, train=True,
+                                       temperature=w.temperature, size=w.group_size)
+
+    def start_eval(self, label: str) -> None:
+        rnd = EvalRound(label=label, at_step=self.steps.version)
+        for i, task in enumerate(self.eval_tasks):
+            rnd.executions += self.executions.plan_group(step=self.steps.version, group_id=f"eval-{label}-{i}",
+                                                         task=task, train=False, temperature=0.0, size=1)
+        self.evals.append(rnd)
+
+    def launch_executions(self, now: float) -> None:
+        serving = len(self.cells.in_phase("serving"))
+        room = serving * self.cfg.scheduler.capacity_per_cell - self.executions.count("running")
+        if room <= 0:
+            return
+        # Eval first (it gates the stage), then the oldest step's groups.
+        queued = sorted(self.executions.queued(), key=lambda ex: (ex.train, ex.step))
+        for ex in queued[:room]:
+            self.executions.launch(ex, now)
+
+    def on_execution_ended(self, ex: Execution) -> None:
+        self.send_to("processor", wire.Grade(
+            execution_id=ex.execution_id, group_id=ex.group_id, step=ex.step, group_size=ex.group_size,
+            outcome=ex.outcome, reward=ex.reward, train=ex.train,
+        ))
+        self.send_to("proxy", wire.SealExecution(execution_id=ex.execution_id))
+
+    # ================================================================ cells, roles, steps
+
+    def check_cells(self, now: float) -> None:
+        for cell in self.cells.alive():
+            if cell.phase == "starting":
+                continue
+            exited = cell.proc is not None and cell.proc.poll() is not None
+            silent = now - cell.last_seen > self.cfg.cluster.heartbeat_timeout_s
+            if not (exited or silent):
+                continue
+            why = f"exited with {cell.proc.returncode}" if exited else f"silent for {now - cell.last_seen:.1f}s"
+            log.error("cell %d %s: dropped; its calls are re-routed and its microsteps re-queued", cell.cell_id, why)
+            cell.set_phase("dead", now)
+            self.metrics.log("cell_lost", t=now - self.t0, cell=cell.cell_id, why=why)
+            if cell.proc is not None and not exited:
+                cell.proc.kill()
+            self.steps.on_cell_lost(cell.cell_id)
+            if cell.is_core:
+                raise RunFailed(f"the core cell {cell.cell_id} {why}; it owns the weights and optimizer state")
+
+    def scheduler_view(self) -> SchedulerView:
+        st = self.steps.current
+        return SchedulerView(
+            cells=self.cells.views(self.steps.busy_cells()),
+            queued=self.executions.count("queued"),
+            running=self.executions.count("running"),
+            rollouts_pending=self.stage in ("train", "eval_start") and self.planned_steps < self.cfg.run.steps,
+            train_demand=self.steps.train_demand() if self.stage == "train" else 0,
+            step_rollouts_done=st is not None and st.rollouts_done,
+        )
+
+    def apply_schedule(self, now: float) -> None:
+        for sw in decide(self.scheduler_view(), self.cfg.scheduler):
+            cell = self.cells.cells[sw.cell_id]
+            cell.set_phase("draining" if sw.role == "train" else "to_serve", now)
+            self.send_to(f"cell-{cell.cell_id}", wire.SwitchRole(
+                cell_id=cell.cell_id, role=sw.role, weight_version=self.steps.version,
+                core_weights_addr=self.core_addr(), core_grads_addr=self.cells.core.grads_addr,
+            ))
+        self.push_routing()
+
+    def drive_steps(self) -> None:
+        st = self.steps.current
+        if st is None:
+            return
+        running = {cell for cell, _ in st.running.values()}
+        free = [c.cell_id for c in self.cells.in_phase("training")
+                if c.weight_version == self.steps.version and c.cell_id not in running]
+        for cell_id, msg in self.steps.assign(sorted(free, key=lambda i: (i != self.cfg.cluster.core_cell, i))):
+            self.send_to(f"cell-{cell_id}", msg)
+        core_training = self.cells.core.phase == "training"
+        for cell_id, msg in self.steps.finish(core_training=core_training):
+            self.send_to(f"cell-{cell_id}", msg)
+
+    def advance_stage(self) -> None:
+        if self.stage == "eval_start" and self.evals[-1].done:
+            self.finish_eval()
+            self.stage = "train"
+        elif self.stage == "train" and self.steps.version >= self.cfg.run.steps:
+            self.stage = "final"
+        elif self.stage == "final":
+            alive = self.cells.alive()
+            synced = all(c.phase == "serving" and c.weight_version == self.steps.version for c in alive)
+            if synced and not any(ex.live for ex in self.executions.executions.values()):
+                if self.cfg.run.eval_at_end:
+                    self.stage = "eval_end"
+                    self.start_eval("end")
+                else:
+                    self.stage = "done"
+        elif self.stage == "eval_end" and self.evals[-1].done:
+            self.finish_eval()
+            self.stage = "done"
+
+    def finish_eval(self) -> None:
+        rnd = self.evals[-1]
+        self.metrics.log("eval", t=time.monotonic() - self.t0, label=rnd.label, step=rnd.at_step, reward=rnd.mean(),
+                         rewards=[ex.reward for ex in rnd.executions])
+        log.info("eval (%s, version %d): mean reward %.3f over %d held-out tasks", rnd.label, rnd.at_step, rnd.mean(), len(rnd.executions))
+
+    def progress(self, now: float) -> None:
+        roles = " ".join(f"{c.cell_id}{'*' if c.is_core else ''}:{c.phase[:5]}" for c in self.cells.cells.values())
+        last = self.step_rewards[-1][1] if self.step_rewards else float("nan")
+        line = (f"[{now - self.t0:6.1f}s] {self.stage:9s} step {self.steps.version}/{self.cfg.run.steps} "
+                f"reward {last:.3f} | live {self.executions.count('queued')}q/{self.executions.count('running')}r "
+                f"| demand {self.steps.train_demand()} | cells {roles}")
+        print(line, flush=True)
+        self.metrics.log("progress", t=now - self.t0, stage=self.stage, version=self.steps.version,
+                         phases={c.cell_id: c.phase for c in self.cells.cells.values()})
+
+
+def make_run_dir(runs_dir: str, name: str) -> Path:
+    root = Path(runs_dir)
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{name}-{os.getpid()}"
+    run_dir = root / run_id
+    run_dir.mkdir(parents=True)
+    latest = root / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(run_id)
+    return run_dir

@@ -1,0 +1,79 @@
+"""`gyre`: run Gyre from the Hydra config in conf/ (the embedded default unless overridden).
+
+    gyre                                  # embedded default: 4 local cells, tiny model, bundled harness
+    gyre scheduler=async run.steps=10     # any key=value or group=option override
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from controller.config import GyreConfig, build_config
+from controller.controller import Controller, RunFailed, make_run_dir
+from controller.processes import StartError
+from controller.report import plot_rewards, plot_roles, write_markdown, write_summary
+from controller.typed_config import ConfigError
+
+log = logging.getLogger("gyre")
+
+
+def run(cfg: GyreConfig) -> dict:
+    run_dir = make_run_dir(cfg.run.runs_dir, cfg.run.name)
+    logging.basicConfig(
+        level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[logging.FileHandler(run_dir / "controller.log"), logging.StreamHandler(sys.stderr)], force=True,
+    )
+    log.info("gyre: run directory %s", run_dir)
+    t0 = time.monotonic()
+    ctl = Controller(cfg, run_dir)
+    try:
+        ctl.start()
+        ctl.run()
+    finally:
+        ctl.shutdown()
+    now = time.monotonic()
+    evals = {r.label: r.mean() for r in ctl.evals}
+    cells = list(ctl.cells.cells.values())
+    summary = write_summary(
+        run_dir, steps=ctl.steps.version, wall_s=now - t0, eval_start=evals.get("start"), eval_end=evals.get("end"),
+        cells=cells, now=now,
+        extra={"scheduler": cfg.scheduler.kind, "groups_dropped": ctl.num_groups_dropped,
+               "executions_crashed": ctl.executions.num_crashed, "executions_timed_out": ctl.executions.num_timed_out,
+               "grader_failures": ctl.executions.num_grade_failed, "bad_control_frames": ctl.num_bad_frames},
+    )
+    eval_points = [(r.at_step, r.mean()) for r in ctl.evals]
+    plot_rewards(run_dir, ctl.step_rewards, eval_points)
+    plot_roles(run_dir, cells, ctl.t0, now)
+    write_markdown(run_dir, summary)
+    print(f"gyre: done in {summary['wall_s']:.1f}s; eval reward {summary['eval_reward_start']} -> "
+          f"{summary['eval_reward_end']}; report in {run_dir}/report.md", flush=True)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_main(raw: DictConfig) -> None:
+    resolved = OmegaConf.to_container(raw, resolve=True)
+    try:
+        cfg = build_config(resolved)
+    except ConfigError as exc:
+        print(f"gyre: bad config: {exc}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run(cfg)
+    except (StartError, RunFailed) as exc:
+        print(f"gyre: run failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

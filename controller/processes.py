@@ -1,0 +1,68 @@
+"""Start and supervise the local child processes: processor, proxy, cellrunners.
+
+Each child logs to ``runs/<id>/logs/<name>.log`` and announces readiness by writing a small JSON
+file; a child that dies before that fails the start with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def spawn(name: str, module: str, args: list[str], log_dir: Path) -> subprocess.Popen:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / f"{name}.log", "wb")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+    out.close()
+    return proc
+
+
+def log_tail(log_dir: Path, name: str, num_lines: int = 20) -> str:
+    try:
+        lines = (log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-num_lines:])
+
+
+def wait_ready(name: str, proc: subprocess.Popen, ready_file: Path, log_dir: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready_file.exists():
+            try:
+                return json.loads(ready_file.read_text())
+            except json.JSONDecodeError:
+                pass  # half-written; the child writes it once, try again
+        if proc.poll() is not None:
+            raise StartError(f"{name} exited with {proc.returncode} before it was ready:\n{log_tail(log_dir, name)}")
+        time.sleep(0.05)
+    raise StartError(f"{name} not ready after {timeout_s}s:\n{log_tail(log_dir, name)}")
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)

@@ -1,0 +1,117 @@
+"""What a run leaves behind: metrics.jsonl as it goes, then summary.json and the plots.
+
+    runs/<id>/metrics.jsonl   one JSON object per event (kind: step | switch | eval | progress)
+    runs/<id>/summary.json    the run's figures (see write_summary)
+    runs/<id>/reward.png      mean training reward per step, eval rewards marked
+    runs/<id>/roles.png       each cell's role over time
+    runs/<id>/report.md       the figures and the two plots in one page
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from controller.cells import Cell  # noqa: E402
+
+PHASE_COLORS = {"serving": "#4c9be8", "draining": "#f0b04c", "training": "#d9534f", "to_serve": "#9bd17c", "starting": "#cccccc", "dead": "#333333"}
+
+
+class MetricsSink:
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "a", buffering=1)
+
+    def log(self, kind: str, **fields: Any) -> None:
+        self._f.write(json.dumps({"kind": kind, **fields}, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def write_summary(run_dir: Path, *, steps: int, wall_s: float, eval_start: float | None, eval_end: float | None,
+                  cells: list[Cell], now: float, extra: dict[str, Any]) -> dict[str, Any]:
+    to_train = [s["total_s"] for c in cells for s in c.switches if s["role"] == "train"]
+    to_serve = [s["total_s"] for c in cells for s in c.switches if s["role"] == "serve"]
+    summary = {
+        "steps": steps,
+        "wall_s": round(wall_s, 3),
+        "eval_reward_start": eval_start,
+        "eval_reward_end": eval_end,
+        "cells": [
+            {"id": c.cell_id, "served_s": round(c.accounted(now)[0], 3), "trained_s": round(c.accounted(now)[1], 3),
+             "switches": len(c.switches), "core": c.is_core}
+            for c in cells
+        ],
+        "switch_s": {"to_train_median": median_or_none(to_train), "to_serve_median": median_or_none(to_serve)},
+        **extra,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def plot_rewards(run_dir: Path, step_rewards: list[tuple[int, float]], eval_points: list[tuple[int, float]]) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if step_rewards:
+        xs, ys = zip(*step_rewards)
+        ax.plot(xs, ys, marker=".", label="training reward (mean of groups)")
+    if eval_points:
+        xs, ys = zip(*eval_points)
+        ax.plot(xs, ys, "s--", color="black", label="held-out eval (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(run_dir / "reward.png", dpi=100)
+    plt.close(fig)
+
+
+def plot_roles(run_dir: Path, cells: list[Cell], t0: float, t_end: float) -> None:
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(cells) + 1.2))
+    for c in cells:
+        marks = c.timeline + [(t_end, c.phase)]
+        for (start, phase), (end, _) in zip(marks, marks[1:]):
+            ax.barh(c.cell_id, end - start, left=start - t0, color=PHASE_COLORS.get(phase, "#999999"), edgecolor="none")
+    ax.set_yticks([c.cell_id for c in cells], [f"cell {c.cell_id}{' (core)' if c.is_core else ''}" for c in cells])
+    ax.set_xlabel("seconds since start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=col) for col in PHASE_COLORS.values()]
+    ax.legend(handles, list(PHASE_COLORS), ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(run_dir / "roles.png", dpi=100)
+    plt.close(fig)
+
+
+def write_markdown(run_dir: Path, summary: dict[str, Any]) -> None:
+    rows = "\n".join(
+        f"| {c['id']}{' (core)' if c['core'] else ''} | {c['served_s']:.1f} | {c['trained_s']:.1f} | {c['switches']} |"
+        for c in summary["cells"]
+    )
+    text = f"""# Gyre run report
+
+- steps: {summary['steps']}, wall time: {summary['wall_s']:.1f} s
+- held-out eval reward (greedy): {summary['eval_reward_start']} -> {summary['eval_reward_end']}
+- median switch: serve->train {summary['switch_s']['to_train_median']} s, train->serve {summary['switch_s']['to_serve_median']} s
+
+| cell | served s | trained s | switches |
+| --- | --- | --- | --- |
+{rows}
+
+![reward per step](reward.png)
+
+![cell roles over time](roles.png)
+"""
+    (run_dir / "report.md").write_text(text)

@@ -1,0 +1,165 @@
+"""Step coordination: shards in, microsteps out to training cells, gradients combined, versions.
+
+Step ``s`` turns weight version ``s`` into ``s + 1``. Its shards stream in from the processor as
+groups complete; each goes to a training cell holding version ``s`` as soon as one is free. When
+every group of the step is in and every shard is done, satellites push their gradient sums to
+the core, and the core applies the update. No tensor passes through here: only ids and counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.wire import ApplyStep, GroupDone, RunMicrostep, SendGrads, Shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepState:
+    step: int
+    groups_expected: int
+    groups_done: int = 0
+    groups_dropped: int = 0
+    num_executions: int = 0
+    rewards: list[float] = field(default_factory=list)
+    ready: deque[Shard] = field(default_factory=deque)
+    running: dict[str, tuple[int, Shard]] = field(default_factory=dict)  # shard_id -> (cell, shard)
+    done_by_cell: dict[int, list[Shard]] = field(default_factory=dict)
+    grads_wanted: set[int] = field(default_factory=set)
+    grads_sent: set[int] = field(default_factory=set)
+    apply_sent: bool = False
+    loss: float = 0.0
+    num_tokens: int = 0
+
+    @property
+    def rollouts_done(self) -> bool:
+        return self.groups_done >= self.groups_expected
+
+    @property
+    def mean_reward(self) -> float | None:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+
+class StepCoordinator:
+    def __init__(self, *, core_cell: int, total_steps: int):
+        self.core_cell = core_cell
+        self.total_steps = total_steps
+        self.version = 0
+        self.steps: dict[int, StepState] = {}
+
+    def plan(self, step: int, num_groups: int) -> None:
+        st = self.steps.setdefault(step, StepState(step=step, groups_expected=0))
+        st.groups_expected += num_groups
+
+    @property
+    def current(self) -> StepState | None:
+        return self.steps.get(self.version)
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def on_shard(self, shard: Shard) -> None:
+        st = self.steps.get(shard.step)
+        if st is None or shard.step < self.version:
+            log.error("shard %s for step %d which is not open (version %d); dropped", shard.shard_id, shard.step, self.version)
+            return
+        st.ready.append(shard)
+
+    def on_group_done(self, msg: GroupDone) -> bool:
+        """Count a finished group; True if it was dropped (the caller may plan a replacement)."""
+        st = self.steps.get(msg.step)
+        if st is None:
+            log.error("group %s for unknown step %d", msg.group_id, msg.step)
+            return False
+        st.groups_done += 1
+        if msg.dropped:
+            st.groups_dropped += 1
+            return True
+        st.num_executions += msg.num_usable
+        if msg.mean_reward is not None:
+            st.rewards.append(msg.mean_reward)
+        return False
+
+    def on_microstep_done(self, cell_id: int, step: int, shard_id: str, loss: float, num_tokens: int) -> None:
+        st = self.steps.get(step)
+        if st is None or shard_id not in st.running:
+            log.error("microstep %s of step %d from cell %d was not assigned", shard_id, step, cell_id)
+            return
+        _, shard = st.running.pop(shard_id)
+        st.done_by_cell.setdefault(cell_id, []).append(shard)
+        st.loss += loss
+        st.num_tokens += num_tokens
+
+    def on_grads_sent(self, cell_id: int, step: int) -> None:
+        st = self.steps.get(step)
+        if st is not None:
+            st.grads_sent.add(cell_id)
+
+    def on_step_applied(self, step: int, version: int) -> StepState:
+        st = self.steps.pop(step)
+        self.version = version
+        return st
+
+    def on_cell_lost(self, cell_id: int) -> None:
+        """Its running and completed-but-unsent microsteps go back to the queue: nothing is lost."""
+        for st in self.steps.values():
+            for sid, (cell, shard) in list(st.running.items()):
+                if cell == cell_id:
+                    del st.running[sid]
+                    st.ready.appendleft(shard)
+            if cell_id not in st.grads_sent:
+                for shard in st.done_by_cell.pop(cell_id, []):
+                    st.ready.appendleft(shard)
+                st.grads_wanted.discard(cell_id)
+
+    # -- outputs ------------------------------------------------------------------------------
+
+    def busy_cells(self) -> set[int]:
+        busy: set[int] = set()
+        for st in self.steps.values():
+            busy |= {cell for cell, _ in st.running.values()}
+            busy |= {c for c in st.done_by_cell if c not in st.grads_sent}
+            if st.apply_sent:
+                busy.add(self.core_cell)
+        return busy
+
+    def train_demand(self) -> int:
+        st = self.current
+        if st is None:
+            return 0
+        pending = 1 if (st.rollouts_done and st.num_executions > 0) else 0
+        return len(st.ready) + len(st.running) + pending
+
+    def assign(self, free_cells: list[int]) -> list[tuple[int, RunMicrostep]]:
+        """Give ready shards of the trainable step to training cells holding its version."""
+        st = self.current
+        out = []
+        if st is None:
+            return out
+        for cell in free_cells:
+            if not st.ready:
+                break
+            shard = st.ready.popleft()
+            st.running[shard.shard_id] = (cell, shard)
+            out.append((cell, RunMicrostep(shard=shard)))
+        return out
+
+    def finish(self, *, core_training: bool) -> list[tuple[int, SendGrads | ApplyStep]]:
+        """Once the step's data is all trained: gather satellite gradients, then apply on the core
+        (only while the core is in the training phase: it holds the optimizer)."""
+        st = self.current
+        if st is None or not st.rollouts_done or st.ready or st.running or st.apply_sent:
+            return []
+        if st.num_executions == 0:
+            return []  # every group dropped: the caller plans replacements
+        out: list[tuple[int, SendGrads | ApplyStep]] = []
+        satellites = {c for c in st.done_by_cell if c != self.core_cell}
+        for cell in sorted(satellites - st.grads_wanted):
+            st.grads_wanted.add(cell)
+            out.append((cell, SendGrads(step=st.step)))
+        if core_training and st.grads_wanted <= st.grads_sent:
+            st.apply_sent = True
+            out.append((self.core_cell, ApplyStep(step=st.step, num_satellite_grads=len(st.grads_sent), num_executions=st.num_executions)))
+        return out

@@ -1,0 +1,126 @@
+"""Core + satellites: however the shards of a step are spread over replicas, the update is the
+one a single replica computes on all of them."""
+
+import random
+
+import numpy as np
+import pytest
+import yaml
+import zmq
+
+from cellrunner.config import ModelConfig
+from cellrunner.gspo import gspo_loss, pack, token_logprobs
+from cellrunner.model import build_model, flatten_params
+from cellrunner.trainer import EmbeddedTrainer, split_by_tokens
+from cellrunner.transfer import TransferError, WeightServer, pull_weights, recv_grads, send_grads
+from controller import wire
+from controller.typed_config import build
+from trajectory.config import AlgoConfig
+
+VOCAB = 300
+
+
+def cfgs():
+    model = build(ModelConfig, yaml.safe_load(open("conf/model/tiny.yaml")))
+    algo = build(AlgoConfig, {**yaml.safe_load(open("conf/algo/gspo.yaml")), "max_tokens_per_microstep": 64})
+    return model, algo
+
+
+def make_shards(rng: random.Random, num_shards: int) -> list[wire.Shard]:
+    shards = []
+    for s in range(num_shards):
+        seqs = []
+        for e in range(3):
+            n = rng.randint(6, 20)
+            tokens = [rng.randrange(VOCAB) for _ in range(n)]
+            mask = [0] * 3 + [rng.randint(0, 1) for _ in range(n - 3)]
+            lps = [(-rng.random() * 3 if m else 0.0) for m in mask]
+            seqs.append(wire.Sequence(execution_id=f"x{s}-{e}", tokens=tokens, target_mask=mask,
+                                      behaviour_logprobs=lps, advantage=rng.gauss(0, 1),
+                                      token_weight=1.0 / max(1, sum(mask))))
+        shards.append(wire.Shard(step=0, shard_id=f"g{s}", num_executions=3, sequences=seqs))
+    return shards
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_update_is_the_same_whoever_computes_it(seed):
+    model_cfg, algo = cfgs()
+    rng = random.Random(seed)
+    shards = make_shards(rng, 6)
+    single = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
+    single.start(None)
+    for sh in shards:
+        single.microstep(sh)
+    w_single, _ = single.apply([], num_executions=18)
+
+    core = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
+    core.start(None)
+    v0 = core.weights()
+    sats = [EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=False) for _ in range(2)]
+    owners = [rng.randrange(3) for _ in shards]  # satellites join at random points of the step
+    for sh, owner in zip(shards, owners):
+        trainer = core if owner == 0 else sats[owner - 1]
+        if trainer.model is None:
+            trainer.start(v0)
+        trainer.microstep(sh)
+    grads = [s.take_grads() for s in sats if s.model is not None]
+    w_split, _ = core.apply(grads, num_executions=18)
+    assert w_split.version == w_single.version == 1
+    np.testing.assert_allclose(w_split.data, w_single.data, rtol=0, atol=2e-6)
+    assert not np.allclose(w_split.data, v0.data)  # the step really moved the weights
+
+
+def test_gspo_clip_and_sign():
+    model_cfg, algo = cfgs()
+    model = build_model(model_cfg, VOCAB)
+    seq = wire.Sequence(execution_id="e", tokens=[1, 2, 3, 4], target_mask=[0, 0, 1, 1],
+                        behaviour_logprobs=[0, 0, 0, 0], advantage=1.0, token_weight=0.5)
+    batch = pack([seq])
+    lp = token_logprobs(model, batch).detach()
+    # On-policy: ratio 1, loss = -A * (tokens * weight) = -1.
+    on = pack([wire.Sequence(**{**wire.to_plain(seq), "behaviour_logprobs": [0, 0, *lp[0, 1:].tolist()]})])
+    loss, stats = gspo_loss(lp, on, eps_low=3e-4, eps_high=4e-4)
+    assert stats.mean_ratio == pytest.approx(1.0, abs=1e-6) and loss.item() == pytest.approx(-1.0, abs=1e-5)
+    # Far off-policy with A > 0 and ratio > 1 + eps_high: clipped, so no gradient flows.
+    off = pack([wire.Sequence(**{**wire.to_plain(seq), "behaviour_logprobs": [0, 0, -50.0, -50.0]})])
+    lp2 = token_logprobs(model, off)
+    loss2, stats2 = gspo_loss(lp2, off, eps_low=3e-4, eps_high=4e-4)
+    loss2.backward()
+    assert stats2.clip_fraction == 1.0
+    assert all(p.grad is None or float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
+
+
+def test_split_by_tokens_keeps_every_sequence():
+    rng = random.Random(3)
+    seqs = [s for sh in make_shards(rng, 3) for s in sh.sequences]
+    chunks = split_by_tokens(seqs, 40)
+    assert sorted(id(s) for c in chunks for s in c) == sorted(id(s) for s in seqs)
+    assert all(len(c) == 1 or max(len(s.tokens) for s in c) * len(c) <= 40 for c in chunks)
+
+
+def test_weights_and_grads_over_zmq():
+    model_cfg, _ = cfgs()
+    ctx = zmq.Context.instance()
+    server = WeightServer(ctx, "tcp://127.0.0.1:0")
+    weights = flatten_params(build_model(model_cfg, VOCAB), 4)
+    server.publish(weights)
+    server.start()
+    try:
+        got = pull_weights(ctx, server.addr, 4, timeout_s=10)
+        assert got.version == 4 and np.array_equal(got.data, weights.data) and got.specs == weights.specs
+        with pytest.raises(TransferError, match="asked for >= 5"):
+            pull_weights(ctx, server.addr, 5, timeout_s=10)
+    finally:
+        server.close()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    g = np.arange(10, dtype=np.float32)
+    send_grads(push, cell_id=2, step=7, grads=g)
+    header, got_g = recv_grads(pull.recv_multipart())
+    assert (header.cell_id, header.step) == (2, 7) and np.array_equal(got_g, g)
+    with pytest.raises(wire.ProtocolError, match="payload"):
+        recv_grads([wire.encode(wire.GradsHeader(cell_id=1, step=1, num_elements=3)), b"\0" * 8])
+    push.close(0)
+    pull.close(0)

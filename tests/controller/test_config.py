@@ -1,0 +1,47 @@
+"""Hydra config: the defaults are the embedded default; overrides work; bad keys are refused."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from controller.config import build_config
+from controller.typed_config import ConfigError
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+
+
+def load(*overrides):
+    with initialize_config_dir(version_base="1.3", config_dir=os.path.abspath(CONF)):
+        return build_config(OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True))
+
+
+def test_defaults_are_the_embedded_default():
+    cfg = load()
+    assert cfg.cluster.kind == "local" and cfg.cluster.num_cells == 4
+    assert cfg.scheduler.kind == "elastic" and cfg.algo.kind == "gspo"
+    assert (cfg.algo.eps_low, cfg.algo.eps_high) == (3e-4, 4e-4)
+
+
+def test_group_and_key_overrides():
+    cfg = load("scheduler=async", "run.steps=3", "algo.lr=0.01", "cluster.num_cells=2")
+    assert cfg.scheduler.kind == "async" and cfg.run.steps == 3 and cfg.algo.lr == 0.01
+    assert cfg.cluster.num_cells == 2
+    assert load("scheduler=colocate").scheduler.kind == "colocate"
+
+
+def test_unknown_and_missing_keys_are_errors():
+    with pytest.raises(ConfigError, match="unknown key"):
+        load("+run.typo=1")
+    with pytest.raises(ConfigError, match="missing key"):
+        load("~run.steps")
+    with pytest.raises(ConfigError, match="want one of"):
+        load("model.tokenizer=gpt2")
+
+
+def test_cross_package_checks():
+    with pytest.raises(ConfigError, match="core_cell"):
+        load("cluster.core_cell=7")
+    with pytest.raises(ConfigError, match="train_cells"):
+        load("scheduler=async", "scheduler.train_cells=4")

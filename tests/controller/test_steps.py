@@ -1,0 +1,60 @@
+"""Step coordination: shards stream to training cells, gradients gather, then the core applies."""
+
+from controller import wire
+from controller.steps import StepCoordinator
+
+
+def shard(step, sid):
+    seq = wire.Sequence(execution_id="e", tokens=[1, 2], target_mask=[0, 1], behaviour_logprobs=[0, -1.0],
+                        advantage=1.0, token_weight=1.0)
+    return wire.Shard(step=step, shard_id=sid, num_executions=1, sequences=[seq])
+
+
+def done(step, gid, n=2, dropped=""):
+    return wire.GroupDone(group_id=gid, step=step, num_usable=n, mean_reward=0.5, dropped=dropped)
+
+
+def test_stream_then_gather_then_apply():
+    sc = StepCoordinator(core_cell=0, total_steps=3)
+    sc.plan(0, 2)
+    sc.on_shard(shard(0, "a"))
+    sc.on_group_done(done(0, "a"))
+    assert sc.train_demand() == 1
+    sent = sc.assign([0, 2])
+    assert [c for c, _ in sent] == [0]  # streamed before the step's rollouts are complete
+    sc.on_shard(shard(0, "b"))
+    assert [c for c, _ in sc.assign([2])] == [2]
+    sc.on_microstep_done(0, 0, "a", 1.0, 3)
+    sc.on_microstep_done(2, 0, "b", 1.0, 3)
+    assert sc.finish(core_training=True) == []  # group b not done yet
+    sc.on_group_done(done(0, "b"))
+    out = sc.finish(core_training=True)
+    assert [(c, type(m).__name__) for c, m in out] == [(2, "SendGrads")]
+    assert sc.busy_cells() == {2, 0}
+    sc.on_grads_sent(2, 0)
+    out = sc.finish(core_training=False)
+    assert out == []  # the core must be training to apply
+    (cell, apply), = sc.finish(core_training=True)
+    assert cell == 0 and apply.num_satellite_grads == 1 and apply.num_executions == 4
+    st = sc.on_step_applied(0, 1)
+    assert sc.version == 1 and st.mean_reward == 0.5
+
+
+def test_lost_cell_gives_its_work_back():
+    sc = StepCoordinator(core_cell=0, total_steps=3)
+    sc.plan(0, 2)
+    sc.on_shard(shard(0, "a"))
+    sc.on_shard(shard(0, "b"))
+    sc.assign([1, 2])
+    sc.on_microstep_done(1, 0, "a", 0.0, 1)
+    sc.on_cell_lost(1)  # its done-but-unsent microstep returns
+    sc.on_cell_lost(2)  # its running microstep returns
+    assert sorted(s.shard_id for s in sc.current.ready) == ["a", "b"]
+    assert sc.busy_cells() == set()
+
+
+def test_dropped_groups_do_not_count_executions():
+    sc = StepCoordinator(core_cell=0, total_steps=1)
+    sc.plan(0, 1)
+    assert sc.on_group_done(done(0, "a", dropped="too_few_usable")) is True
+    assert sc.current.rollouts_done and sc.train_demand() == 0 and sc.finish(core_training=True) == []

@@ -1,0 +1,85 @@
+"""The wire module: round trips, and every kind of bad frame ends in ProtocolError."""
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller import wire
+
+
+def _record(**over):
+    base = dict(
+        execution_id="s0-g0-e1", call_id="c1", call_index=0, prompt_ids=[1, 2, 3], output_ids=[4, 5],
+        output_logprobs=[-0.5, -1.25], weight_version=3, cell_id=1, finish_reason="stop",
+        started_at=1.0, finished_at=2.0,
+    )
+    base.update(over)
+    return wire.CallRecord(**base)
+
+
+def test_round_trip_nested():
+    seq = wire.Sequence(execution_id="e", tokens=[1, 2, 3], target_mask=[0, 1, 1],
+                        behaviour_logprobs=[0.0, -0.1, -0.2], advantage=-1.5, token_weight=0.5)
+    msg = wire.RunMicrostep(shard=wire.Shard(step=2, shard_id="s2-g0", num_executions=1, sequences=[seq]))
+    assert wire.decode(wire.encode(msg)) == msg
+    rec = _record()
+    assert wire.decode(wire.encode(rec)) == rec
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"execution_id": 5}, "call_record.execution_id: want str"),
+        ({"finish_reason": "done"}, "call_record.finish_reason: want one of"),
+        ({"output_logprobs": [-0.5]}, "call_record.output_logprobs: want one per output token"),
+        ({"output_logprobs": [-0.5, 0.5]}, "<= 0"),
+        ({"prompt_ids": [1, "x"]}, "call_record.prompt_ids: want list of int"),
+        ({"prompt_ids": []}, "prompt_ids: empty"),
+    ],
+)
+def test_bad_fields_name_message_and_field(body, needle):
+    plain = wire.to_plain(_record())
+    plain.update(body)
+    frame = msgpack.packb([wire.PROTOCOL_VERSION, "call_record", plain])
+    with pytest.raises(wire.ProtocolError, match=needle.replace("(", r"\(")):
+        wire.decode(frame)
+
+
+def test_unknown_tag_version_and_fields():
+    with pytest.raises(wire.ProtocolError, match="unknown tag"):
+        wire.decode(msgpack.packb([wire.PROTOCOL_VERSION, "launch_missiles", {}]))
+    with pytest.raises(wire.ProtocolError, match="protocol version"):
+        wire.decode(msgpack.packb([99, "shutdown", {}]))
+    with pytest.raises(wire.ProtocolError, match="unknown field"):
+        wire.decode(msgpack.packb([wire.PROTOCOL_VERSION, "shutdown", {"reason": "x", "extra": 1}]))
+    with pytest.raises(wire.ProtocolError, match="missing"):
+        wire.decode(msgpack.packb([wire.PROTOCOL_VERSION, "send_grads", {}]))
+    with pytest.raises(wire.ProtocolError, match="not expected here"):
+        wire.decode(wire.encode(wire.Shutdown()), expect=(wire.Grade,))
+
+
+def test_grade_reward_none_is_not_zero():
+    g = wire.Grade(execution_id="e", group_id="g", step=0, group_size=2, outcome="finished", reward=None)
+    assert wire.decode(wire.encode(g)).reward is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_escape_as_other_errors(data):
+    try:
+        wire.decode(data)
+    except wire.ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                    max_leaves=20),
+       st.sampled_from(sorted(wire.MESSAGES)))
+def test_random_bodies_for_real_tags(body, tag):
+    try:
+        wire.decode(msgpack.packb([wire.PROTOCOL_VERSION, tag, body]))
+    except wire.ProtocolError:
+        pass

@@ -1,0 +1,152 @@
+"""The proxy process: ``python -m harness_proxy.main --config-json F --controller ADDR --processor ADDR
+--secret-hex HEX --ready-file F``.
+
+- ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", ...}}``.
+- ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
+  obeys ``RoutingTable``, ``SealExecution`` and ``Shutdown``. A frame it cannot decode is logged and
+  answered with ``ErrorReply``; the process keeps running.
+- ``--processor``: a ZMQ PULL; the proxy PUSHes one ``CallRecord`` per successful call and, on a
+  seal, ``ExecutionSealed`` after that execution's records (same socket, so the order holds).
+- ``--secret-hex``: the HMAC secret of the per-execution bearer tokens (``harness_proxy.auth``).
+- ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening.
+
+SIGTERM or SIGINT (or ``Shutdown``) stops it cleanly: HTTP closes, queued records are sent, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from controller import wire
+from controller.typed_config import ConfigError, build
+from harness_proxy.config import ProxyConfig
+from harness_proxy.server import ProxyServer, ZmqRecordSink
+from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
+
+log = logging.getLogger(__name__)
+
+CONTROL_MESSAGES = (wire.RoutingTable, wire.SealExecution, wire.Shutdown, wire.ErrorReply)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m harness_proxy.main", description="Gyre harness proxy")
+    p.add_argument("--config-json", required=True, type=Path)
+    p.add_argument("--controller", required=True, help="controller ROUTER address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--processor", required=True, help="trajectory processor PULL address for CallRecords")
+    p.add_argument("--secret-hex", required=True, help="HMAC secret of the execution tokens, hex")
+    p.add_argument("--ready-file", required=True, type=Path)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return p.parse_args(argv)
+
+
+def load_config(path: Path) -> tuple[ProxyConfig, QwenTokenizer]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("proxy"), dict) or not isinstance(data.get("model"), dict):
+        raise ConfigError(f"{path}: want {{'proxy': {{...}}, 'model': {{'tokenizer', 'compact_ranks'}}}}")
+    cfg = build(ProxyConfig, data["proxy"], "proxy")
+    model: dict[str, Any] = data["model"]
+    kind, ranks = model.get("tokenizer"), model.get("compact_ranks")
+    if kind not in ("qwen", "qwen_compact") or type(ranks) is not int:
+        raise ConfigError(f"model: want tokenizer qwen|qwen_compact and an int compact_ranks, got {kind!r}, {ranks!r}")
+    return cfg, get_tokenizer(kind, ranks)
+
+
+def write_ready_file(path: Path, url: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"url": url}))
+    os.replace(tmp, path)
+
+
+def handle_control_frame(server: ProxyServer, frame: bytes) -> tuple[wire.Message | None, bool]:
+    """Apply one controller frame; return (a reply to send or None, whether to shut down)."""
+    try:
+        msg = wire.decode(frame, expect=CONTROL_MESSAGES)
+    except wire.ProtocolError as exc:
+        log.error("bad frame from the controller: %s", exc)
+        return wire.ErrorReply(where="proxy", message=str(exc)), False
+    if isinstance(msg, wire.RoutingTable):
+        server.apply_routing_table(msg)
+    elif isinstance(msg, wire.SealExecution):
+        server.seal(msg.execution_id)
+    elif isinstance(msg, wire.Shutdown):
+        log.info("shutdown requested by the controller: %s", msg.reason or "-")
+        return None, True
+    else:
+        assert isinstance(msg, wire.ErrorReply)
+        log.error("the controller refused a frame of ours (%s): %s", msg.where, msg.message)
+    return None, False
+
+
+async def control_loop(sock: zmq.asyncio.Socket, server: ProxyServer, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        parts = await sock.recv_multipart()
+        reply, shutdown = handle_control_frame(server, parts[-1])
+        if reply is not None:
+            await sock.send(wire.encode(reply))
+        if shutdown:
+            stop.set()
+
+
+async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes) -> int:
+    ctx = zmq.asyncio.Context()
+    sink = ZmqRecordSink(ctx, args.processor)
+    sink.start()
+    server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink)
+    control = ctx.socket(zmq.DEALER)
+    control.setsockopt(zmq.LINGER, 1000)
+    control.connect(args.controller)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await server.start()
+        await control.send(wire.encode(wire.Hello(peer="proxy", pid=os.getpid())))
+        control_task = loop.create_task(control_loop(control, server, stop))
+        write_ready_file(args.ready_file, url)
+        log.info("proxy ready: %s, controller %s, processor %s", url, args.controller, args.processor)
+        stopped = loop.create_task(stop.wait())
+        done, _ = await asyncio.wait({control_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if control_task in done and control_task.exception() is not None:
+            log.error("control loop failed: %r", control_task.exception())
+        control_task.cancel()
+        stopped.cancel()
+    finally:
+        log.info("proxy shutting down")
+        await server.stop()
+        await sink.close()
+        control.close()
+        ctx.term()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg, tok = load_config(args.config_json)
+        secret = bytes.fromhex(args.secret_hex)
+        if not secret:
+            raise ValueError("--secret-hex: empty")
+    except (ConfigError, OSError, ValueError) as exc:  # JSON and hex errors are ValueErrors
+        log.error("proxy failed to start: %s", exc)
+        return 2
+    return asyncio.run(run(args, cfg, tok, secret))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

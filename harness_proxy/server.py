@@ -1,0 +1,528 @@
+"""The proxy's HTTP face: harness calls in, engine calls out, one CallRecord per successful call.
+
+``POST /v1/chat/completions`` walks: bearer token -> execution id (refused once sealed) -> body
+(size-capped) -> validated request -> prompt ids (``SessionStore``: the engine's exact ids for
+echoed turns) -> an engine from the ``Router`` (retried on other engines while a cell drains) ->
+CallRecord pushed to the trajectory processor -> only then the HTTP response (persist, then
+acknowledge). A harness that hangs up mid-call gets its engine request aborted and nothing
+recorded. ``seal`` revokes an execution and queues ``ExecutionSealed`` behind its last record.
+
+One asyncio event loop owns everything here; the control plane (``harness_proxy.main``) calls
+``apply_routing_table`` and ``seal`` on the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from controller import wire
+from harness_proxy.auth import bearer_token, verify_token
+from harness_proxy.config import ProxyConfig
+from harness_proxy.openai_api import (
+    ApiError, ChatRequest, completion_body, finish_reason, models_body, new_call_id, parse_chat_request,
+    reply_message, stream_events, usage,
+)
+from harness_proxy.routing import Router
+from harness_proxy.sessions import SessionStore
+from harness_proxy.template import parse_output
+from harness_proxy.tokenizer import QwenTokenizer
+
+log = logging.getLogger(__name__)
+
+RETRY_BACKOFF_S = 0.05
+"""First pause before re-routing a call; doubles per attempt up to RETRY_BACKOFF_MAX_S."""
+RETRY_BACKOFF_MAX_S = 1.0
+ABORT_TIMEOUT_S = 5.0
+SHUTDOWN_TIMEOUT_S = 5.0
+RECORD_SNDHWM = 100_000
+"""Frames queued on the processor socket before a push waits (back-pressure, never a drop)."""
+MAX_TOKEN_ID = 2**31 - 1
+CALL_ID_HEADER = "x-gyre-call-id"
+
+
+# ---------------------------------------------------------------- recording
+
+
+class RecordSink(Protocol):
+    def put(self, msg: wire.Message) -> asyncio.Future[None]:
+        """Queue ``msg`` behind everything put before; the future completes once it is sent."""
+        ...
+
+
+class ZmqRecordSink:
+    """Sends wire messages on one ZMQ PUSH socket, strictly in the order they were put.
+
+    ``put`` is synchronous, so a caller's check-then-put cannot interleave with another's (that is
+    how ``ExecutionSealed`` lands after an execution's last record). A full send queue makes the
+    sender wait (back-pressure); nothing is dropped.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, linger_ms: int = 10_000):
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, RECORD_SNDHWM)
+        self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.connect(addr)
+        self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.addr = addr
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="record-sink")
+
+    def put(self, msg: wire.Message) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._task is None or self._task.done():
+            fut.set_exception(ConnectionError(f"record sink to {self.addr} is not running"))
+        else:
+            self._queue.put_nowait((wire.encode(msg), fut))
+        return fut
+
+    async def _run(self) -> None:
+        while True:
+            frame, fut = await self._queue.get()
+            try:
+                await self._sock.send(frame, copy=False)
+            except asyncio.CancelledError:
+                if not fut.done():
+                    fut.set_exception(ConnectionError("record sink closed"))
+                raise
+            except Exception as exc:  # a ZMQ error: fail this push, keep serving the rest
+                log.error("record push to %s failed: %s", self.addr, exc)
+                if not fut.done():
+                    fut.set_exception(exc)
+            else:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def close(self, *, timeout_s: float = 10.0) -> None:
+        """Send what is queued (up to ``timeout_s``), then close; ZMQ linger flushes the socket."""
+        deadline = time.monotonic() + timeout_s
+        while not self._queue.empty() and time.monotonic() < deadline and self._task and not self._task.done():
+            await asyncio.sleep(0.01)
+        if not self._queue.empty():
+            log.error("record sink closing with %d message(s) unsent", self._queue.qsize())
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._sock.close()
+
+
+# ---------------------------------------------------------------- the engine (SGLang's native API)
+
+
+class EngineUnavailable(Exception):
+    """The engine did not produce a usable answer; the call may be retried elsewhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    route: wire.EngineRoute
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: int
+    finish: str
+    """stop | length | abort (abort: the cell is draining; never recorded)."""
+
+
+def parse_generate_response(data: Any, route: wire.EngineRoute) -> EngineResult:
+    """Validate a ``/generate`` answer; raise EngineUnavailable naming what is wrong."""
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise EngineUnavailable("response: want an object with meta_info")
+    fr = meta.get("finish_reason")
+    finish = fr.get("type") if isinstance(fr, dict) else fr
+    if finish not in ("stop", "length", "abort"):
+        raise EngineUnavailable(f"meta_info.finish_reason: want stop|length|abort, got {fr!r}")
+    if finish == "abort":
+        return EngineResult(route, [], [], 0, "abort")
+    ids = data.get("output_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise EngineUnavailable("output_ids: want a list of token ids")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        raise EngineUnavailable("meta_info.output_token_logprobs: want one entry per output id")
+    logprobs = []
+    for i, entry in enumerate(entries):
+        lp = entry[0] if isinstance(entry, list) and len(entry) >= 2 else None
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not lp <= 1e-4 or lp != lp:
+            raise EngineUnavailable(f"output_token_logprobs[{i}]: want [logprob <= 0, id, ...], got {entry!r:.60}")
+        if entry[1] != ids[i]:
+            raise EngineUnavailable(f"output_token_logprobs[{i}]: id {entry[1]!r} != output id {ids[i]}")
+        logprobs.append(min(float(lp), 0.0))  # float rounding may leave a hair above 0
+    if any(lp == float("-inf") for lp in logprobs):
+        raise EngineUnavailable("output_token_logprobs: -inf")
+    version = meta.get("weight_version")
+    try:
+        weight_version = int(version)  # SGLang reports it as a string
+    except (TypeError, ValueError):
+        raise EngineUnavailable(f"meta_info.weight_version: want an integer, got {version!r}") from None
+    if weight_version < 0 or isinstance(version, (bool, float)):
+        raise EngineUnavailable(f"meta_info.weight_version: want an integer >= 0, got {version!r}")
+    return EngineResult(route, ids, logprobs, weight_version, finish)
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass
+class _Execution:
+    num_calls: int = 0
+    """CallRecords queued so far; the next record's call_index."""
+    in_flight: set[asyncio.Task[EngineResult]] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    execution_id: str
+    agent: str
+    call_id: str
+    prompt_ids: list[int]
+    sampling_params: dict[str, Any]
+
+
+class ProxyServer:
+    """One proxy: the aiohttp app, the router, the sessions, the record sink."""
+
+    def __init__(
+        self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
+        calls_per_agent: int = 2,
+    ):
+        if not secret:
+            raise ValueError("secret: empty")
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.sink = sink
+        self.router = Router()
+        self.sessions = SessionStore(tokenizer, calls_per_agent=calls_per_agent)
+        self.url = ""
+        self._secret = secret
+        self._executions: dict[str, _Execution] = {}
+        self._sealed: dict[str, int] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_request_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self) -> str:
+        """Listen on cfg.host:cfg.port (0: a free port); return the base URL."""
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.engine_timeout_s))
+        # handler_cancellation: a harness that hangs up cancels its handler, which aborts the engine call.
+        self._runner = web.AppRunner(
+            self.make_app(), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
+        )
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.port))
+        await web.SockSite(self._runner, sock).start()
+        port = sock.getsockname()[1]
+        host = self.cfg.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info("proxy listening on %s (model %s)", self.url, self.cfg.model_name)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._background:
+            await asyncio.wait(self._background, timeout=ABORT_TIMEOUT_S)
+        if self._http is not None:
+            await self._http.close()
+        log.info("proxy stopped")
+
+    # ------------------------------------------------------------ control plane
+
+    def apply_routing_table(self, table: wire.RoutingTable) -> bool:
+        return self.router.update(table)
+
+    def is_sealed(self, execution_id: str) -> bool:
+        return execution_id in self._sealed
+
+    def seal(self, execution_id: str) -> int:
+        """Refuse the execution's token from now on, cancel its in-flight calls (nothing recorded),
+        forget its sessions, and queue ExecutionSealed behind its records; return num_calls.
+
+        Sealing twice sends ExecutionSealed again with the same count (the controller may resend).
+        """
+        if execution_id in self._sealed:
+            num_calls = self._sealed[execution_id]
+            log.info("execution %s sealed again (%d calls)", execution_id, num_calls)
+        else:
+            exe = self._executions.pop(execution_id, None) or _Execution()
+            num_calls = self._sealed[execution_id] = exe.num_calls
+            for task in exe.in_flight:
+                task.cancel()
+            self.sessions.drop_execution(execution_id)
+            self.router.forget(execution_id)
+            log.info(
+                "execution %s sealed: %d calls recorded, %d in flight cancelled",
+                execution_id, num_calls, len(exe.in_flight),
+            )
+        sent = self.sink.put(wire.ExecutionSealed(execution_id=execution_id, num_calls=num_calls))
+        sent.add_done_callback(_log_unsent(f"ExecutionSealed({execution_id})"))
+        return num_calls
+
+    # ------------------------------------------------------------ HTTP handlers
+
+    async def _health(self, request: web.Request) -> web.Response:
+        table = self.router.table
+        return web.json_response({"status": "ok", "routing_version": table.version, "num_engines": len(table.engines)})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_body(self.cfg.model_name))
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        execution_id = None
+        try:
+            execution_id = self._authorize(request)
+            chat = parse_chat_request(await self._read_body(request))
+            return await self._complete(request, execution_id, chat)
+        except ApiError as err:
+            log.warning(
+                "POST /v1/chat/completions refused %d (execution %s): %s",
+                err.status, execution_id or "-", err.message,
+            )
+            return web.json_response(err.body(), status=err.status)
+        except Exception:  # a bug of ours: say so, keep serving
+            log.exception("POST /v1/chat/completions failed (execution %s)", execution_id or "-")
+            err = ApiError(500, "internal proxy error", type="server_error")
+            return web.json_response(err.body(), status=500)
+
+    def _authorize(self, request: web.Request) -> str:
+        token = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
+        if not token:
+            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
+        execution_id = verify_token(self._secret, token)
+        if execution_id is None:
+            raise ApiError(401, "invalid bearer token", code="invalid_api_key")
+        if execution_id in self._sealed:
+            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        return execution_id
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body is over the {limit}-byte limit") from None
+
+    async def _complete(self, request: web.Request, execution_id: str, chat: ChatRequest) -> web.StreamResponse:
+        agent = ""  # the main agent; sub-agent keys arrive with the Anthropic adapter
+        call, spliced = self._plan_call(execution_id, agent, chat)
+        if execution_id in self._sealed:  # sealed while the body was read
+            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        exe = self._executions.setdefault(execution_id, _Execution())
+        started_at = time.time()
+        result = await self._generate_tracked(exe, call)
+        finished_at = time.time()
+
+        message = reply_message(parse_output(self.tok, result.output_ids))
+        # Persist, then acknowledge: the record is on its way to the processor before the harness
+        # sees the answer.
+        record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at)
+        self.sessions.remember(
+            execution_id, agent, messages=chat.messages, tools=chat.tools, reply=message,
+            prompt_ids=call.prompt_ids, output_ids=result.output_ids,
+        )
+        try:
+            await asyncio.shield(pushed)
+        except Exception as exc:
+            raise ApiError(503, f"the call could not be recorded ({exc}); retry", type="server_error") from None
+        log.debug(
+            "call %s execution %s #%d: %d prompt ids (%s), %d output ids, %s, cell %d, weight v%d",
+            call.call_id, execution_id, record.call_index, len(call.prompt_ids),
+            "spliced" if spliced else "rendered", len(result.output_ids), result.finish,
+            result.route.cell_id, result.weight_version,
+        )
+        return await self._respond(
+            request, chat, call_id=call.call_id, message=message, finish=finish_reason(result.finish, message),
+            num_prompt=len(call.prompt_ids), num_output=len(result.output_ids),
+        )
+
+    def _plan_call(self, execution_id: str, agent: str, chat: ChatRequest) -> tuple[_Call, bool]:
+        """Prompt ids and sampling for one call; refuse (400) a prompt that leaves no room to answer."""
+        plan = self.sessions.build_prompt(execution_id, agent, chat.messages, chat.tools)
+        num_prompt = len(plan.prompt_ids)
+        limit = self.cfg.max_context_tokens
+        if num_prompt >= limit:
+            raise ApiError(
+                400, f"prompt is too long: {num_prompt} tokens, the maximum context is {limit} tokens",
+                param="messages", code="context_length_exceeded",
+            )
+        cap = self.cfg.max_new_tokens_cap
+        sampling = {
+            "max_new_tokens": min(chat.max_tokens or cap, cap, limit - num_prompt),
+            "temperature": chat.temperature, "top_p": chat.top_p,
+            "stop_token_ids": [self.tok.im_end, self.tok.endoftext],
+        }
+        call = _Call(execution_id=execution_id, agent=agent, call_id=new_call_id(), prompt_ids=plan.prompt_ids,
+                     sampling_params=sampling)
+        return call, plan.spliced
+
+    def _record(
+        self, exe: _Execution, call: _Call, result: EngineResult, *, started_at: float, finished_at: float
+    ) -> tuple[wire.CallRecord, asyncio.Future[None]]:
+        """Queue the call's CallRecord. Synchronous, so no seal can slip between the check and the put:
+        every record of an execution is queued before its ExecutionSealed."""
+        if call.execution_id in self._sealed:
+            raise ApiError(
+                401, f"execution {call.execution_id} was sealed during the call; not recorded", code="invalid_api_key"
+            )
+        record = wire.CallRecord(
+            execution_id=call.execution_id, call_id=call.call_id, call_index=exe.num_calls,
+            prompt_ids=call.prompt_ids, output_ids=result.output_ids, output_logprobs=result.output_logprobs,
+            weight_version=result.weight_version, cell_id=result.route.cell_id, finish_reason=result.finish,
+            lineage="main", agent_id=call.agent, started_at=started_at, finished_at=finished_at,
+        )
+        record.check()
+        exe.num_calls += 1
+        return record, self.sink.put(record)
+
+    async def _respond(
+        self, request: web.Request, chat: ChatRequest, *, call_id: str, message: dict[str, Any], finish: str,
+        num_prompt: int, num_output: int,
+    ) -> web.StreamResponse:
+        model = chat.model or self.cfg.model_name
+        created = int(time.time())
+        used = usage(num_prompt, num_output)
+        headers = {CALL_ID_HEADER: call_id}
+        if not chat.stream:
+            body = completion_body(call_id=call_id, created=created, model=model, message=message, finish=finish, usage=used)
+            return web.json_response(body, headers=headers)
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        events = stream_events(
+            call_id=call_id, created=created, model=model, message=message, finish=finish,
+            usage=used if chat.include_usage else None,
+        )
+        try:
+            await resp.prepare(request)
+            for event in events:
+                await resp.write(event)
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("call %s: harness disconnected while its (recorded) answer streamed", call_id)
+        return resp
+
+    # ------------------------------------------------------------ calling engines
+
+    async def _generate_tracked(self, exe: _Execution, call: _Call) -> EngineResult:
+        """Run the engine call as a task a seal can cancel; tell a seal from a hang-up."""
+        task = asyncio.ensure_future(self._generate(call))
+        exe.in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                log.info(
+                    "call %s (execution %s): harness disconnected; engine request aborted, nothing recorded",
+                    call.call_id, call.execution_id,
+                )
+                raise
+            raise ApiError(
+                401, f"execution {call.execution_id} was sealed during the call; not recorded", code="invalid_api_key"
+            ) from None
+        finally:
+            exe.in_flight.discard(task)
+
+    async def _generate(self, call: _Call) -> EngineResult:
+        """Generate on some engine: on a dead, unavailable or draining one, the same prompt ids go
+        to another engine from the (re-read) routing table, up to cfg.retry_attempts engines."""
+        tried: list[str] = []
+        last = "no serving engine in the routing table"
+        attempts = max(1, self.cfg.retry_attempts)
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
+            route = self.router.choose(call.execution_id, call.agent, exclude=tried)
+            if route is None:
+                continue
+            tried.append(route.url)
+            try:
+                with self.router.track(route.url):
+                    result = await self._engine_generate(route, call)
+            except EngineUnavailable as exc:
+                last = f"cell {route.cell_id} ({route.url}): {exc}"
+            else:
+                if result.finish != "abort":
+                    return result
+                last = f"cell {route.cell_id} ({route.url}) aborted the request (draining)"
+            log.warning(
+                "call %s (execution %s) attempt %d/%d failed: %s", call.call_id, call.execution_id,
+                attempt + 1, attempts, last,
+            )
+        raise ApiError(
+            503, f"no engine could serve the call after {attempts} attempt(s): {last}",
+            type="server_error", code="engine_unavailable",
+        )
+
+    async def _engine_generate(self, route: wire.EngineRoute, call: _Call) -> EngineResult:
+        assert self._http is not None, "start() first"
+        payload = {
+            "input_ids": call.prompt_ids, "sampling_params": call.sampling_params,
+            "return_logprob": True, "rid": call.call_id,
+        }
+        try:
+            async with self._http.post(f"{route.url}/generate", json=payload) as resp:
+                if resp.status == 400:
+                    text = (await resp.text())[:500]
+                    raise ApiError(400, f"the engine refused the request: {text}", code="engine_rejected")
+                if resp.status != 200:
+                    raise EngineUnavailable(f"HTTP {resp.status}")
+                data = await resp.json(content_type=None)
+        except asyncio.CancelledError:
+            self._spawn(self._abort(route.url, call.call_id))
+            raise
+        except TimeoutError:
+            self._spawn(self._abort(route.url, call.call_id))
+            raise EngineUnavailable(f"no answer within {self.cfg.engine_timeout_s} s") from None
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a body that is not JSON
+            raise EngineUnavailable(f"{type(exc).__name__}: {exc}") from None
+        return parse_generate_response(data, route)
+
+    async def _abort(self, url: str, rid: str) -> None:
+        assert self._http is not None
+        try:
+            async with self._http.post(
+                f"{url}/abort_request", json={"rid": rid}, timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("abort of %s on %s failed: %s", rid, url, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _log_unsent(what: str) -> Any:
+    def callback(fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("%s not sent to the processor: %s", what, fut.exception())
+
+    return callback

@@ -1,0 +1,222 @@
+"""Shared pieces of the proxy tests: an event loop in a thread, a scripted engine, a live proxy.
+
+The engine is a real aiohttp server speaking SGLang's native ``/generate`` and ``/abort_request``
+(the real engines are built elsewhere; this one plays back scripted outputs). The proxy is the
+real ``ProxyServer`` with its real ZMQ record sink; tests receive CallRecords on a real PULL
+socket and decode them with ``controller.wire``. Clients are the official ``openai`` SDK and
+``http.client``, from the test thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from controller import wire
+from controller.typed_config import build
+from harness_proxy.auth import mint_token
+from harness_proxy.config import ProxyConfig
+from harness_proxy.server import ProxyServer, ZmqRecordSink
+from harness_proxy.tokenizer import get_tokenizer
+
+SECRET = b"test-secret-0123456789abcdef"
+TOK = get_tokenizer("qwen_compact", 4096)
+
+PROXY_CONFIG = {
+    "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536,
+    "max_context_tokens": 2048, "max_new_tokens_cap": 64, "engine_timeout_s": 20.0, "retry_attempts": 3,
+}
+
+
+def proxy_config(**overrides: Any) -> ProxyConfig:
+    return build(ProxyConfig, {**PROXY_CONFIG, **overrides})
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; ``run`` a coroutine or ``call`` a function on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        async def wrapper() -> Any:
+            return fn(*args)
+
+        return self.run(wrapper())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+# ---------------------------------------------------------------- the engine double
+
+
+def text_ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+@dataclass
+class Step:
+    """One scripted engine answer."""
+
+    output_ids: list[int] = field(default_factory=lambda: text_ids("ok") + [TOK.im_end])
+    finish: str = "stop"
+    status: int = 200
+    hang: bool = False
+    """Wait until /abort_request names this request, then answer with an abort finish."""
+
+
+class ScriptedEngine:
+    """A real HTTP server speaking SGLang's native generate API, playing back ``script``."""
+
+    def __init__(self, cell_id: int, *, weight_version: int = 3):
+        self.cell_id = cell_id
+        self.weight_version = weight_version
+        self.script: deque[Step] = deque()
+        self.requests: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.url = ""
+        self.hanging = asyncio.Event()
+        self._abort_events: dict[str, asyncio.Event] = {}
+        self._runner: web.AppRunner | None = None
+
+    def route(self) -> wire.EngineRoute:
+        return wire.EngineRoute(cell_id=self.cell_id, url=self.url)
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/abort_request", self._abort)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        rid = (await request.json())["rid"]
+        self.aborted.append(rid)
+        if rid in self._abort_events:
+            self._abort_events[rid].set()
+        return web.Response(status=200)
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
+        assert set(body["sampling_params"]) <= {"max_new_tokens", "temperature", "top_p", "stop_token_ids"}
+        self.requests.append(body)
+        step = self.script.popleft() if self.script else Step()
+        if step.status != 200:
+            return web.json_response({"error": {"message": "engine unavailable"}}, status=step.status)
+        if step.hang:
+            event = self._abort_events.setdefault(body["rid"], asyncio.Event())
+            self.hanging.set()
+            await event.wait()
+            return web.json_response(self._answer([], {"type": "abort", "message": "Abort before prefill"}))
+        ids = step.output_ids[: body["sampling_params"]["max_new_tokens"]]
+        if step.finish == "abort":
+            finish: dict[str, Any] = {"type": "abort", "message": "draining"}
+        elif step.finish == "length" or len(ids) < len(step.output_ids):
+            finish = {"type": "length", "length": len(ids)}
+        else:
+            finish = {"type": "stop", "matched": ids[-1] if ids else TOK.im_end}
+        return web.json_response(self._answer(ids, finish, prompt_tokens=len(body["input_ids"])))
+
+    def _answer(self, ids: list[int], finish: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "id": "x", "finish_reason": finish, "weight_version": str(self.weight_version),
+                "prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                "output_token_logprobs": [[-0.25 - (i % 3) * 0.5, t, None] for i, t in enumerate(ids)],
+            },
+        }
+
+
+# ---------------------------------------------------------------- a live proxy
+
+
+class LiveProxy:
+    """A started ProxyServer with ``num_engines`` scripted engines and a PULL socket for records."""
+
+    def __init__(self, *, num_engines: int = 2, **cfg_overrides: Any):
+        self.lt = LoopThread()
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.records_addr = f"tcp://127.0.0.1:{port}"
+        self.cfg = proxy_config(**cfg_overrides)
+        self.engines = [ScriptedEngine(cell_id=i) for i in range(num_engines)]
+        self.routing_version = 0
+        self.server: ProxyServer = self.lt.run(self._start())
+        self.url = self.server.url
+        self.set_routes(self.engines)
+
+    async def _start(self) -> ProxyServer:
+        for e in self.engines:
+            await e.start()
+        self.azctx = zmq.asyncio.Context()
+        self.sink = ZmqRecordSink(self.azctx, self.records_addr)
+        self.sink.start()
+        server = ProxyServer(self.cfg, tokenizer=TOK, secret=SECRET, sink=self.sink)
+        await server.start()
+        return server
+
+    def set_routes(self, engines: list[ScriptedEngine]) -> None:
+        self.routing_version += 1
+        table = wire.RoutingTable(version=self.routing_version, engines=[e.route() for e in engines])
+        assert self.lt.call(self.server.apply_routing_table, table)
+
+    def seal(self, execution_id: str) -> int:
+        return self.lt.call(self.server.seal, execution_id)
+
+    def client(self, execution_id: str = "ex-1", *, token: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=token or mint_token(SECRET, execution_id), max_retries=0, timeout=30,
+        )
+
+    def recv(self, timeout_ms: int = 10_000) -> wire.Message:
+        assert self.pull.poll(timeout_ms), "no message from the proxy"
+        return wire.decode(self.pull.recv())
+
+    def recv_all(self, settle_ms: int = 200) -> list[wire.Message]:
+        out = []
+        while self.pull.poll(settle_ms):
+            out.append(wire.decode(self.pull.recv()))
+        return out
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.server.stop()
+            await self.sink.close(timeout_s=1)
+            for e in self.engines:
+                await e.stop()
+            self.azctx.term()
+
+        self.lt.run(stop())
+        self.lt.close()
+        self.pull.close()
+        self.ctx.term()

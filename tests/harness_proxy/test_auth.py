@@ -1,0 +1,50 @@
+"""Per-execution bearer tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness_proxy.auth import bearer_token, mint_token, verify_token
+
+SECRET = b"k" * 32
+
+
+@given(st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True))
+def test_minted_tokens_verify_to_their_execution(execution_id):
+    token = mint_token(SECRET, execution_id)
+    assert token.startswith(f"gyre.{execution_id}.")
+    assert verify_token(SECRET, token) == execution_id
+    assert verify_token(b"other secret", token) is None
+
+
+def test_tampered_tokens_are_refused():
+    token = mint_token(SECRET, "ex-1")
+    prefix, eid, mac = token.split(".")
+    assert verify_token(SECRET, f"{prefix}.ex-2.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}") is None
+    assert verify_token(SECRET, f"other.{eid}.{mac}") is None
+    assert verify_token(SECRET, token + ".x") is None
+    assert verify_token(SECRET, token.upper()) is None
+
+
+@given(st.text(max_size=300))
+def test_arbitrary_strings_never_verify_and_never_raise(text):
+    assert verify_token(SECRET, text) is None
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "x" * 65, "sp ace", "é"])
+def test_minting_refuses_ids_outside_the_alphabet(bad):
+    with pytest.raises(ValueError):
+        mint_token(SECRET, bad)
+    with pytest.raises(ValueError):
+        mint_token(b"", "ok")
+
+
+def test_bearer_header_parsing():
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer  abc ") == "abc"
+    assert bearer_token("Basic abc") is None
+    assert bearer_token("Bearer ") is None
+    assert bearer_token(None) is None

@@ -1,0 +1,109 @@
+"""The proxy process as the controller starts it: ready file, Hello, control frames, records, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import zmq
+
+from controller import wire
+from harness_proxy.auth import mint_token
+from tests.harness_proxy import PROXY_CONFIG, SECRET, LoopThread, ScriptedEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(tmp_path: Path, config: dict, controller: str, processor: str) -> subprocess.Popen:
+    cfg = tmp_path / "proxy.json"
+    cfg.write_text(json.dumps(config))
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness_proxy.main", "--config-json", str(cfg), "--controller", controller,
+         "--processor", processor, "--secret-hex", SECRET.hex(), "--ready-file", str(tmp_path / "proxy.ready")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+
+
+def _recv(sock: zmq.Socket, what: str, timeout_ms: int = 20_000) -> list[bytes]:
+    assert sock.poll(timeout_ms), f"no {what}"
+    return sock.recv_multipart()
+
+
+@pytest.fixture
+def sockets():
+    ctx = zmq.Context()
+    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
+    for s in (router, pull):
+        s.setsockopt(zmq.LINGER, 0)
+    r_port = router.bind_to_random_port("tcp://127.0.0.1")
+    p_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    yield router, pull, f"tcp://127.0.0.1:{r_port}", f"tcp://127.0.0.1:{p_port}"
+    router.close()
+    pull.close()
+    ctx.term()
+
+
+def test_proxy_process_end_to_end(tmp_path, sockets):
+    router, pull, controller, processor = sockets
+    lt = LoopThread()
+    engine = ScriptedEngine(cell_id=4, weight_version=7)
+    lt.run(engine.start())
+    proc = _spawn(tmp_path, {"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}},
+                  controller, processor)
+    try:
+        ident, frame = _recv(router, "Hello")
+        hello = wire.decode(frame)
+        assert isinstance(hello, wire.Hello) and hello.peer == "proxy" and hello.pid == proc.pid
+        ready = tmp_path / "proxy.ready"
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "proxy not ready"
+            time.sleep(0.02)
+        url = json.loads(ready.read_text())["url"]
+
+        router.send_multipart([ident, wire.encode(wire.RoutingTable(version=1, engines=[engine.route()]))])
+        for bad in (b"not msgpack \xc1", wire.encode(wire.Heartbeat(cell_id=0, phase="serving", num_running=0,
+                                                                        weight_version=0))):
+            router.send_multipart([ident, bad])
+            reply = wire.decode(_recv(router, "ErrorReply")[1])
+            assert isinstance(reply, wire.ErrorReply) and reply.where == "proxy" and reply.message
+        # control frames are handled in order, so the routing table is in place by now
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=mint_token(SECRET, "ex-main"), max_retries=0, timeout=30)
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content == "ok"
+        rec = wire.decode(_recv(pull, "CallRecord")[0])
+        assert isinstance(rec, wire.CallRecord) and rec.call_id == r.id
+        assert (rec.execution_id, rec.cell_id, rec.weight_version, rec.call_index) == ("ex-main", 4, 7, 0)
+
+        router.send_multipart([ident, wire.encode(wire.SealExecution(execution_id="ex-main"))])
+        assert wire.decode(_recv(pull, "ExecutionSealed")[0]) == wire.ExecutionSealed(execution_id="ex-main", num_calls=1)
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log = proc.stdout.read().decode(errors="replace")
+        proc.stdout.close()
+        lt.run(engine.stop())
+        lt.close()
+    assert "bad frame from the controller" in log and "proxy shutting down" in log
+
+
+def test_bad_config_exits_with_a_clear_error(tmp_path, sockets):
+    _, _, controller, processor = sockets
+    proc = _spawn(tmp_path, {"proxy": {**PROXY_CONFIG, "port": "eighty"}, "model": {"tokenizer": "qwen_compact",
+                                                                                  "compact_ranks": 4096}},
+                  controller, processor)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and b"proxy.port: want int" in out

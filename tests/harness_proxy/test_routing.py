@@ -1,0 +1,57 @@
+"""Engine choice: newest table, stickiness, least load, stable ties."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controller.wire import EngineRoute, RoutingTable
+from harness_proxy.routing import Router, pick_engine
+
+E = [EngineRoute(cell_id=i, url=f"http://e{i}") for i in range(3)]
+
+
+def test_least_loaded_with_stable_ties():
+    assert pick_engine([], in_flight={}, num_sticky={}) is None
+    assert pick_engine(E, in_flight={}, num_sticky={}) == E[0]
+    assert pick_engine(E, in_flight={"http://e0": 2, "http://e1": 1}, num_sticky={}) == E[2]
+    assert pick_engine(E, in_flight={"http://e0": 1}, num_sticky={"http://e1": 3}) == E[2]
+    assert pick_engine(list(reversed(E)), in_flight={}, num_sticky={}) == E[0]
+
+
+def test_sticky_and_exclude():
+    busy = {"http://e1": 9}
+    assert pick_engine(E, in_flight=busy, num_sticky={}, sticky_url="http://e1") == E[1]
+    assert pick_engine(E, in_flight=busy, num_sticky={}, sticky_url="http://gone") == E[0]
+    assert pick_engine(E, in_flight={}, num_sticky={}, sticky_url="http://e1", exclude={"http://e1"}) == E[0]
+    everything = {e.url for e in E}
+    assert pick_engine(E, in_flight={"http://e0": 1}, num_sticky={}, exclude=everything) == E[1]
+
+
+@given(st.dictionaries(st.sampled_from([e.url for e in E]), st.integers(0, 5)),
+       st.sets(st.sampled_from([e.url for e in E])))
+def test_the_choice_is_a_least_loaded_allowed_engine(in_flight, exclude):
+    got = pick_engine(E, in_flight=in_flight, num_sticky={}, exclude=exclude)
+    allowed = [e for e in E if e.url not in exclude] or E
+    assert got in allowed
+    assert in_flight.get(got.url, 0) == min(in_flight.get(e.url, 0) for e in allowed)
+
+
+def test_router_tables_stickiness_and_load():
+    r = Router()
+    assert r.choose("ex", "") is None
+    assert r.update(RoutingTable(version=2, engines=E[:2]))
+    assert not r.update(RoutingTable(version=2, engines=[]))
+    assert not r.update(RoutingTable(version=1, engines=[]))
+    assert r.engines() == E[:2]
+    assert r.choose("a", "") == E[0]
+    assert r.choose("b", "") == E[1]  # e0 already holds a sticky agent
+    with r.track(E[0].url):
+        assert r.in_flight(E[0].url) == 1
+        assert r.choose("a", "") == E[0]  # sticky beats load
+        assert r.choose("c", "") == E[1]
+    assert r.in_flight(E[0].url) == 0
+    assert r.update(RoutingTable(version=3, engines=E[1:]))
+    assert r.choose("a", "") == E[2] and r.sticky_url("a", "") == E[2].url  # e1 holds b and c
+    r.forget("a")
+    assert r.sticky_url("a", "") is None

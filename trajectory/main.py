@@ -1,0 +1,121 @@
+"""Entrypoint of the trajectory processor process.
+
+    python -m trajectory.main --config-json CONFIG --controller tcp://HOST:PORT \\
+        --bind-records tcp://127.0.0.1:0 --log-dir DIR --ready-file PATH [--no-fsync]
+
+CONFIG is JSON ``{"algo": {AlgoConfig fields}, "workload": {"min_usable_per_group": int},
+"max_trajectories": int}``, built strictly (unknown or missing keys are errors). Once the records
+socket is bound, ``{"records_addr": "tcp://127.0.0.1:PORT"}`` is written to the ready file
+(atomically). The log lives in ``DIR/processor.log``; a restart with the same DIR resumes.
+SIGTERM or SIGINT (or a ``Shutdown`` from the controller) ends the process cleanly, rc 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.typed_config import ConfigError, build
+from trajectory.config import AlgoConfig
+from trajectory.log import AppendLog
+from trajectory.processor import Processor, ProcessorService, serve
+
+log = logging.getLogger(__name__)
+
+LOG_FILE_NAME = "processor.log"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessorWorkloadConfig:
+    min_usable_per_group: int
+    """A group with fewer usable executions is dropped whole, and counted."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessorConfig:
+    """What the controller hands the processor (a slice of the root config)."""
+
+    algo: AlgoConfig
+    workload: ProcessorWorkloadConfig
+    max_trajectories: int
+    """K: trajectories kept per execution (bounded sampling); the same fact as
+    ``algo.max_trajectories_per_execution``, so the two must agree."""
+
+    def check(self) -> None:
+        if self.max_trajectories < 1:
+            raise ValueError("max_trajectories: want >= 1")
+        if self.max_trajectories != self.algo.max_trajectories_per_execution:
+            raise ValueError(
+                f"max_trajectories={self.max_trajectories} differs from "
+                f"algo.max_trajectories_per_execution={self.algo.max_trajectories_per_execution}"
+            )
+        if self.workload.min_usable_per_group < 1:
+            raise ValueError("workload.min_usable_per_group: want >= 1")
+
+
+def load_config(path: str | os.PathLike[str]) -> ProcessorConfig:
+    data = json.loads(Path(path).read_text())
+    return build(ProcessorConfig, data)
+
+
+def _write_ready(path: Path, records_addr: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"records_addr": records_addr}))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trajectory.main", description=__doc__.split("\n")[0])
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--controller", required=True, help="the controller's ROUTER address")
+    parser.add_argument("--bind-records", required=True, help="PULL address for CallRecords")
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--no-fsync", action="store_true", help="flush the log but skip os.fsync")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        config = load_config(args.config_json)
+    except (ConfigError, ValueError, OSError) as exc:
+        log.error("bad config %s: %s", args.config_json, exc)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    processor = Processor(
+        algo=config.algo,
+        min_usable=config.workload.min_usable_per_group,
+        max_trajectories=config.max_trajectories,
+    )
+    service = ProcessorService(
+        processor, AppendLog(Path(args.log_dir) / LOG_FILE_NAME, fsync=not args.no_fsync)
+    )
+    serve(
+        service,
+        records_addr=args.bind_records,
+        controller_addr=args.controller,
+        stop=stop,
+        on_ready=lambda addr: _write_ready(Path(args.ready_file), addr),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

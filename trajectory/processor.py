@@ -1,0 +1,520 @@
+"""The trajectory processor service: CallRecords and grades in, shards out.
+
+Three layers, each testable alone:
+
+- ``Processor`` — the state machine, no I/O. ``on_record`` / ``on_sealed`` / ``on_grade`` take
+  decoded messages and return the messages to send (``ShardReady``..., ``GroupDone``,
+  ``ErrorReply``).
+- ``ProcessorService`` — decodes frames, appends the valid ones to the ``AppendLog`` *before*
+  processing them, rebuilds the state from the log on start, and logs a marker for a group
+  right before its messages go out, so a restart does not send them again.
+- ``serve`` — the ZMQ loop: PULL bound for records (from the proxy), DEALER connected to the
+  controller (``Hello``, then ``Grade`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
+
+Grading rules. An execution is *usable* when its outcome is ``finished`` or ``timed_out`` and its
+reward is not None (the controller grades timed-out runs from their workspace). ``crashed`` and
+grader failures (reward None) are excluded and counted, never a reward of 0. ``Grade.train`` False
+marks an eval execution: its records are discarded and it joins no group. A group is complete
+when each of its ``group_size`` members has a Grade and an ExecutionSealed (they come on
+different sockets, in any order). With fewer than ``min_usable`` usable executions it is dropped
+(``GroupDone(dropped="too_few_usable")``); else its shards go out, then ``GroupDone``.
+
+Delivery. Records and seals are deduplicated by ``(execution_id, call_id)``, grades by
+execution, so a proxy or controller may resend after a restart. A group's marker is durable
+before its first message is handed to ZMQ, so whoever saw a ``GroupDone`` never sees that group
+again; a group completed in the log without a marker (killed before sending) is sent after the
+restart. The window left is the reverse one: killed after the marker but before ZMQ's I/O thread
+wrote the frames to the kernel (microseconds), the group is lost. Closing it needs an
+acknowledgement from the controller, which the wire protocol does not have yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+import zmq
+
+from controller.wire import (
+    CallRecord,
+    ErrorReply,
+    ExecutionSealed,
+    Grade,
+    GroupDone,
+    Hello,
+    Message,
+    ProtocolError,
+    Shard,
+    ShardReady,
+    Shutdown,
+    decode,
+    encode,
+)
+from trajectory.advantages import group_advantages
+from trajectory.config import AlgoConfig
+from trajectory.log import AppendLog, decode_marker, encode_marker
+from trajectory.samples import build_sequences, pack_shards
+from trajectory.sampling import select
+from trajectory.tree import TokenTree
+
+log = logging.getLogger(__name__)
+
+USABLE_OUTCOMES = ("finished", "timed_out")
+DROPPED_TOO_FEW_USABLE = "too_few_usable"
+GROUP_DONE_MARKER = "group_done"
+
+
+@dataclass
+class Counters:
+    """Cumulative counts of this process (rebuilt by a replay); ``metrics()`` names them."""
+
+    num_records: int = 0
+    num_duplicate_records: int = 0
+    num_side_calls: int = 0
+    num_late_records: int = 0
+    """Records or seals for an execution whose group (or eval run) is already done."""
+    num_eval_records: int = 0
+    num_eval_executions: int = 0
+    num_rejected: int = 0
+    num_duplicate_grades: int = 0
+    num_incomplete_executions: int = 0
+    """Sealed with fewer distinct calls received than ``ExecutionSealed.num_calls`` says."""
+    num_excluded_crashed: int = 0
+    num_excluded_grade_failed: int = 0
+    num_empty_executions: int = 0
+    """Usable executions without a single training target (no calls, or no policy tokens)."""
+    num_groups_emitted: int = 0
+    num_groups_dropped: int = 0
+    num_groups_replayed: int = 0
+    """Completed again while replaying the log, but already sent before the restart: not rebuilt."""
+    num_shards: int = 0
+    num_sequences: int = 0
+    num_targets: int = 0
+
+    def metrics(self) -> dict[str, int]:
+        """Slash-named counters (sum across processors)."""
+        return {f"trajectory/{f.name.removeprefix('num_')}": getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Execution:
+    tree: TokenTree | None
+    """None once a grade says this is an eval run: its records are discarded."""
+    call_ids: set[str] = field(default_factory=set)
+    grade: Grade | None = None
+    sealed: ExecutionSealed | None = None
+
+
+@dataclass
+class _Group:
+    group_id: str
+    step: int
+    group_size: int
+    members: dict[str, Grade] = field(default_factory=dict)
+
+
+class Processor:
+    """The processor's state machine; see the module docstring for the rules."""
+
+    def __init__(self, *, algo: AlgoConfig, min_usable: int, max_trajectories: int) -> None:
+        if max_trajectories < 1:
+            raise ValueError(f"max_trajectories: want >= 1, got {max_trajectories}")
+        if algo.max_tokens_per_microstep < 1:
+            raise ValueError("max_tokens_per_microstep: want >= 1")
+        self.algo = algo
+        self.min_usable = min_usable
+        self.max_trajectories = max_trajectories
+        self.counters = Counters()
+        self._executions: dict[str, _Execution] = {}
+        self._groups: dict[str, _Group] = {}
+        self._done_executions: set[str] = set()
+        self._done_groups: set[str] = set()
+        self._sent_before: set[str] = set()
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_message(self, msg: Message) -> list[Message]:
+        if isinstance(msg, CallRecord):
+            return self.on_record(msg)
+        if isinstance(msg, ExecutionSealed):
+            return self.on_sealed(msg)
+        if isinstance(msg, Grade):
+            return self.on_grade(msg)
+        raise TypeError(f"processor: no handler for {type(msg).__name__}")
+
+    def on_record(self, record: CallRecord) -> list[Message]:
+        if record.execution_id in self._done_executions:
+            self.counters.num_late_records += 1
+            return []
+        ex = self._execution(record.execution_id)
+        if record.call_id in ex.call_ids:
+            self.counters.num_duplicate_records += 1
+            return []
+        if ex.tree is None:
+            ex.call_ids.add(record.call_id)
+            self.counters.num_eval_records += 1
+            return []
+        try:
+            inserted = ex.tree.insert(record)
+        except ValueError as exc:
+            self.counters.num_rejected += 1
+            log.warning("call_record rejected: %s (execution %s, call %s)", exc, record.execution_id, record.call_id)
+            return []
+        ex.call_ids.add(record.call_id)
+        self.counters.num_records += 1
+        if not inserted:
+            self.counters.num_side_calls += 1
+        return []
+
+    def on_sealed(self, sealed: ExecutionSealed) -> list[Message]:
+        if sealed.execution_id in self._done_executions:
+            self.counters.num_late_records += 1
+            return []
+        ex = self._execution(sealed.execution_id)
+        if ex.sealed is not None:
+            self.counters.num_duplicate_records += 1
+            return []
+        ex.sealed = sealed
+        if len(ex.call_ids) < sealed.num_calls:
+            self.counters.num_incomplete_executions += 1
+            log.warning(
+                "execution %s sealed with %d of %d calls received; training on what arrived",
+                sealed.execution_id, len(ex.call_ids), sealed.num_calls,
+            )
+        if ex.grade is None:
+            return []
+        if not ex.grade.train:
+            self._forget_execution(sealed.execution_id)
+            return []
+        return self._maybe_complete(self._groups[ex.grade.group_id])
+
+    def on_grade(self, grade: Grade) -> list[Message]:
+        eid = grade.execution_id
+        if eid in self._done_executions:
+            self.counters.num_duplicate_grades += 1
+            return []
+        ex = self._executions.get(eid)
+        if ex is not None and ex.grade is not None:
+            if ex.grade == grade:
+                self.counters.num_duplicate_grades += 1
+                return []
+            return [self._reject_grade(grade, "execution already has a different grade")]
+        if not grade.train:
+            ex = self._execution(eid)
+            ex.grade, ex.tree = grade, None
+            self.counters.num_eval_executions += 1
+            if ex.sealed is not None:
+                self._forget_execution(eid)
+            return []
+        if grade.group_id in self._done_groups:
+            return [self._reject_grade(grade, "its group is already done")]
+        group = self._groups.get(grade.group_id)
+        if group is None:
+            group = _Group(grade.group_id, grade.step, grade.group_size)
+        elif (group.step, group.group_size) != (grade.step, grade.group_size):
+            return [self._reject_grade(
+                grade, f"group has step={group.step} group_size={group.group_size}"
+            )]
+        elif len(group.members) >= group.group_size:
+            return [self._reject_grade(grade, f"group already has {group.group_size} members")]
+        self._groups[grade.group_id] = group
+        group.members[eid] = grade
+        self._execution(eid).grade = grade
+        return self._maybe_complete(group)
+
+    def expect_sent_before(self, group_ids: set[str]) -> None:
+        """Groups a replay will complete again whose messages already went out: skip building them."""
+        self._sent_before |= group_ids
+
+    def mark_group_done(self, group_id: str) -> None:
+        """Forget a group whose messages already went out (a replayed marker)."""
+        group = self._groups.pop(group_id, None)
+        if group is not None:
+            for eid in group.members:
+                self._forget_execution(eid)
+        self._done_groups.add(group_id)
+
+    @property
+    def num_open_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def num_open_executions(self) -> int:
+        return len(self._executions)
+
+    # ------------------------------------------------------------------ groups
+
+    def _maybe_complete(self, group: _Group) -> list[Message]:
+        if len(group.members) < group.group_size:
+            return []
+        if any(self._executions[eid].sealed is None for eid in group.members):
+            return []
+        if group.group_id in self._sent_before:
+            self._sent_before.discard(group.group_id)
+            self.counters.num_groups_replayed += 1
+            self.mark_group_done(group.group_id)
+            return []
+        out = self._assemble(group)
+        self.mark_group_done(group.group_id)
+        return out
+
+    def _assemble(self, group: _Group) -> list[Message]:
+        grades = sorted(group.members.values(), key=lambda g: g.execution_id)
+        usable = [g for g in grades if g.outcome in USABLE_OUTCOMES and g.reward is not None]
+        for g in grades:
+            if g.outcome == "crashed":
+                self.counters.num_excluded_crashed += 1
+            elif g.reward is None:
+                self.counters.num_excluded_grade_failed += 1
+        rewards = [g.reward for g in usable if g.reward is not None]
+        mean_reward = math.fsum(rewards) / len(rewards) if rewards else None
+        if len(usable) < max(self.min_usable, 1):
+            self.counters.num_groups_dropped += 1
+            log.info(
+                "group %s (step %d) dropped: %d usable of %d, want %d",
+                group.group_id, group.step, len(usable), group.group_size, self.min_usable,
+            )
+            return [GroupDone(
+                group_id=group.group_id, step=group.step, num_usable=len(usable),
+                mean_reward=mean_reward, dropped=DROPPED_TOO_FEW_USABLE,
+            )]
+        advantages = group_advantages(rewards, adv_eps=self.algo.adv_eps)
+        per_execution = []
+        for g, advantage in zip(usable, advantages):
+            tree = self._executions[g.execution_id].tree
+            assert tree is not None  # train executions keep their tree
+            kept = select(tree.trajectories(), max_trajectories=self.max_trajectories)
+            sequences = build_sequences(g.execution_id, kept, advantage=advantage)
+            if not sequences:
+                self.counters.num_empty_executions += 1
+            per_execution.append(sequences)
+        shards = pack_shards(
+            group_id=group.group_id, step=group.step, per_execution=per_execution,
+            max_tokens=self.algo.max_tokens_per_microstep,
+        )
+        self._count_emitted(shards)
+        log.info(
+            "group %s (step %d) done: %d usable of %d, mean reward %.4f, %d shard(s)",
+            group.group_id, group.step, len(usable), group.group_size, mean_reward, len(shards),
+        )
+        out: list[Message] = [ShardReady(shard=s) for s in shards]
+        out.append(GroupDone(
+            group_id=group.group_id, step=group.step, num_usable=len(usable), mean_reward=mean_reward,
+        ))
+        return out
+
+    def _count_emitted(self, shards: list[Shard]) -> None:
+        self.counters.num_groups_emitted += 1
+        self.counters.num_shards += len(shards)
+        for shard in shards:
+            self.counters.num_sequences += len(shard.sequences)
+            self.counters.num_targets += sum(sum(s.target_mask) for s in shard.sequences)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _execution(self, execution_id: str) -> _Execution:
+        ex = self._executions.get(execution_id)
+        if ex is None:
+            ex = self._executions[execution_id] = _Execution(tree=TokenTree(execution_id))
+        return ex
+
+    def _forget_execution(self, execution_id: str) -> None:
+        self._executions.pop(execution_id, None)
+        self._done_executions.add(execution_id)
+
+    def _reject_grade(self, grade: Grade, why: str) -> ErrorReply:
+        self.counters.num_rejected += 1
+        text = f"grade for execution {grade.execution_id} (group {grade.group_id}) rejected: {why}"
+        log.warning("%s", text)
+        return ErrorReply(where="processor.grade", message=text)
+
+
+class ProcessorService:
+    """Frames in, messages out, with every accepted frame logged before it is processed."""
+
+    RECORD_MESSAGES = (CallRecord, ExecutionSealed)
+    CONTROL_MESSAGES = (Grade, Shutdown)
+
+    def __init__(self, processor: Processor, log_: AppendLog) -> None:
+        self.processor = processor
+        self.log = log_
+        self.shutdown_requested = False
+
+    @property
+    def counters(self) -> Counters:
+        return self.processor.counters
+
+    def replay(self) -> list[Message]:
+        """Rebuild state from the log; return the messages still owed (groups without a marker)."""
+        owed: dict[str, list[Message]] = {}
+        self.processor.expect_sent_before(self._sent_group_ids())
+        for payload in self.log.replay():
+            try:
+                marker = decode_marker(payload)
+                if marker is not None:
+                    if marker.kind == GROUP_DONE_MARKER:
+                        group_id = str(marker.fields.get("group_id"))
+                        owed.pop(group_id, None)
+                        self.processor.mark_group_done(group_id)
+                    continue
+                msg = decode(payload, expect=self.RECORD_MESSAGES + (Grade,))
+            except ValueError as exc:  # ProtocolError is a ValueError
+                self.reject("log", str(exc))
+                continue
+            _collect_by_group(self.processor.on_message(msg), owed)
+        messages = [m for outs in owed.values() for m in outs]
+        log.info(
+            "replayed %d log entries: %d group(s) already sent, %d open group(s), %d open "
+            "execution(s), %d group(s) owed", self.log.num_entries, self.counters.num_groups_replayed,
+            self.processor.num_open_groups, self.processor.num_open_executions, len(owed),
+        )
+        return messages
+
+    def _sent_group_ids(self) -> set[str]:
+        sent = set()
+        for payload in self.log.scan():
+            try:
+                marker = decode_marker(payload)
+            except ValueError:
+                continue  # counted when the replay meets it
+            if marker is not None and marker.kind == GROUP_DONE_MARKER:
+                sent.add(str(marker.fields.get("group_id")))
+        return sent
+
+    def on_record_frames(self, frames: Sequence[bytes]) -> list[Message]:
+        """Frames from the records socket (CallRecord, ExecutionSealed); no replies for bad ones."""
+        accepted = []
+        for frame in frames:
+            try:
+                accepted.append((frame, decode(frame, expect=self.RECORD_MESSAGES)))
+            except ProtocolError as exc:
+                self.reject("records", str(exc))
+        return self._persist_and_process(accepted)
+
+    def on_control_frames(self, frames: Sequence[bytes]) -> list[Message]:
+        """Frames from the controller (Grade, Shutdown); a bad one gets an ErrorReply."""
+        accepted = []
+        replies: list[Message] = []
+        for frame in frames:
+            try:
+                msg = decode(frame, expect=self.CONTROL_MESSAGES)
+            except ProtocolError as exc:
+                self.reject("control", str(exc))
+                replies.append(ErrorReply(where="processor.control", message=str(exc)))
+                continue
+            if isinstance(msg, Shutdown):
+                log.info("shutdown requested by the controller: %s", msg.reason)
+                self.shutdown_requested = True
+                continue
+            accepted.append((frame, msg))
+        return replies + self._persist_and_process(accepted)
+
+    def mark_sending(self, messages: Sequence[Message]) -> None:
+        """Log (durably) that these messages are about to go out, so a restart does not resend them.
+
+        Call it before sending: a duplicate ``ShardReady`` / ``GroupDone`` would be counted twice.
+        """
+        markers = [
+            encode_marker(GROUP_DONE_MARKER, group_id=m.group_id)
+            for m in messages
+            if isinstance(m, GroupDone)
+        ]
+        self.log.append_many(markers)
+
+    def reject(self, where: str, text: str) -> None:
+        self.counters.num_rejected += 1
+        log.warning("rejected a frame on %s: %s", where, text)
+
+    def _persist_and_process(self, accepted: list[tuple[bytes, Message]]) -> list[Message]:
+        self.log.append_many(frame for frame, _ in accepted)
+        out: list[Message] = []
+        for _, msg in accepted:
+            out.extend(self.processor.on_message(msg))
+        return out
+
+
+def _collect_by_group(messages: list[Message], owed: dict[str, list[Message]]) -> None:
+    """Group ``ShardReady``s with the ``GroupDone`` that follows them (one group per call)."""
+    pending: list[Message] = []
+    for m in messages:
+        if isinstance(m, GroupDone):
+            owed[m.group_id] = pending + [m]
+            pending = []
+        elif isinstance(m, ShardReady):
+            pending.append(m)
+
+
+# ---------------------------------------------------------------------- the ZMQ loop
+
+_DRAIN_LIMIT = 512
+
+
+def serve(
+    service: ProcessorService,
+    *,
+    records_addr: str,
+    controller_addr: str,
+    stop: threading.Event,
+    on_ready: Callable[[str], None] | None = None,
+    poll_ms: int = 100,
+) -> None:
+    """Replay, bind, say Hello, send what is owed, then move frames until ``stop`` or Shutdown.
+
+    ``on_ready`` gets the bound records address (``tcp://host:port``, port resolved).
+    """
+    owed = service.replay()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(records_addr)
+        bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        dealer.setsockopt(zmq.LINGER, 2000)
+        dealer.connect(controller_addr)
+        dealer.send(encode(Hello(peer="processor", pid=os.getpid())))
+        _send(dealer, service, owed)
+        log.info("processor ready: records on %s, controller %s", bound, controller_addr)
+        if on_ready is not None:
+            on_ready(bound)
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        poller.register(dealer, zmq.POLLIN)
+        while not stop.is_set() and not service.shutdown_requested:
+            events = dict(poller.poll(poll_ms))
+            if pull in events:
+                _send(dealer, service, service.on_record_frames(_drain(pull, service, "records")))
+            if dealer in events:
+                _send(dealer, service, service.on_control_frames(_drain(dealer, service, "control")))
+    finally:
+        log.info("processor stopping: %s", service.counters.metrics())
+        pull.close()
+        dealer.close()
+        ctx.term()
+        service.log.close()
+
+
+def _send(dealer: zmq.Socket, service: ProcessorService, messages: list[Message]) -> None:
+    service.mark_sending(messages)
+    for m in messages:
+        dealer.send(encode(m))
+
+
+def _drain(sock: zmq.Socket, service: ProcessorService, where: str) -> list[bytes]:
+    """Up to _DRAIN_LIMIT waiting frames (one log fsync for the batch)."""
+    frames: list[bytes] = []
+    while len(frames) < _DRAIN_LIMIT:
+        try:
+            parts = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        parts = [p for p in parts if p] if len(parts) > 1 else parts  # ROUTER peers may add b""
+        if len(parts) != 1:
+            service.reject(where, f"want one frame per message, got {len(parts)} parts")
+            continue
+        frames.append(parts[0])
+    return frames

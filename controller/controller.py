@@ -94,8 +94,7 @@ class Controller:
         c = self.cfg
         proc_ready = self._start_child(
             "processor", "trajectory.main",
-            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group},
-             "max_trajectories": c.algo.max_trajectories_per_execution},
+            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
             ["--bind-records", f"tcp://{c.cluster.host}:0", "--log-dir", str(self.run_dir / "processor")],
         )
         proxy_ready = self._start_child(
@@ -113,7 +112,7 @@ class Controller:
             "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
             "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
             "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
-            "seed": c.run.seed,
+            "seed": c.run.seed, "checkpoint_dir": str(self.run_dir / "checkpoints"),
         }
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():

@@ -3,8 +3,7 @@
     python -m trajectory.main --config-json CONFIG --controller tcp://HOST:PORT \\
         --bind-records tcp://127.0.0.1:0 --log-dir DIR --ready-file PATH [--no-fsync]
 
-CONFIG is JSON ``{"algo": {AlgoConfig fields}, "workload": {"min_usable_per_group": int},
-"max_trajectories": int}``, built strictly (unknown or missing keys are errors). Once the records
+CONFIG is JSON ``{"algo": {AlgoConfig fields}, "workload": {"min_usable_per_group": int}}``, built strictly (unknown or missing keys are errors). Once the records
 socket is bound, ``{"records_addr": "tcp://127.0.0.1:PORT"}`` is written to the ready file
 (atomically). The log lives in ``DIR/processor.log``; a restart with the same DIR resumes.
 SIGTERM or SIGINT (or a ``Shutdown`` from the controller) ends the process cleanly, rc 0.
@@ -44,18 +43,10 @@ class ProcessorConfig:
 
     algo: AlgoConfig
     workload: ProcessorWorkloadConfig
-    max_trajectories: int
-    """K: trajectories kept per execution (bounded sampling); the same fact as
-    ``algo.max_trajectories_per_execution``, so the two must agree."""
 
     def check(self) -> None:
-        if self.max_trajectories < 1:
-            raise ValueError("max_trajectories: want >= 1")
-        if self.max_trajectories != self.algo.max_trajectories_per_execution:
-            raise ValueError(
-                f"max_trajectories={self.max_trajectories} differs from "
-                f"algo.max_trajectories_per_execution={self.algo.max_trajectories_per_execution}"
-            )
+        if self.algo.max_trajectories_per_execution < 1:
+            raise ValueError("algo.max_trajectories_per_execution: want >= 1")
         if self.workload.min_usable_per_group < 1:
             raise ValueError("workload.min_usable_per_group: want >= 1")
 
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     processor = Processor(
         algo=config.algo,
         min_usable=config.workload.min_usable_per_group,
-        max_trajectories=config.max_trajectories,
+        max_trajectories=config.algo.max_trajectories_per_execution,
     )
     service = ProcessorService(
         processor, AppendLog(Path(args.log_dir) / LOG_FILE_NAME, fsync=not args.no_fsync)

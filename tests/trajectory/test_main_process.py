@@ -43,7 +43,6 @@ class Harness:
         cfg = algo(max_tokens_per_microstep=20)
         self.config.write_text(json.dumps({
             "algo": to_dict(cfg), "workload": {"min_usable_per_group": 1},
-            "max_trajectories": cfg.max_trajectories_per_execution,
         }))
         self.proc: subprocess.Popen | None = None
         self.ident = b""
@@ -158,7 +157,7 @@ def test_sigkill_mid_stream_then_restart_every_shard_exactly_once(harness: Harne
 
 def test_bad_config_fails_fast(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"algo": {}, "workload": {"min_usable_per_group": 1}, "max_trajectories": 5}))
+    bad.write_text(json.dumps({"algo": {}, "workload": {"min_usable_per_group": 1}}))
     proc = subprocess.run(
         [sys.executable, "-m", "trajectory.main", "--config-json", str(bad), "--controller", "tcp://127.0.0.1:1",
          "--bind-records", "tcp://127.0.0.1:0", "--log-dir", str(tmp_path), "--ready-file", str(tmp_path / "r")],

@@ -131,6 +131,9 @@ class Controller:
             if name not in self.peers_seen:
                 self._drain_socket(timeout_ms=200)
         self.push_routing()
+        # Where everything listens, for operators and tests (the processor's address is in its ready file).
+        self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
+                                            "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()}})
         self.stage = "eval_start" if c.run.eval_at_start else "train"
         if self.stage == "eval_start":
             self.start_eval("start")

@@ -21,6 +21,8 @@ from controller.report import plot_rewards, plot_roles, write_markdown, write_su
 from controller.typed_config import ConfigError
 
 log = logging.getLogger("gyre")
+# conf/ sits beside the packages; an absolute path works for editable installs and plain checkouts.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run(cfg: GyreConfig) -> dict:
@@ -56,7 +58,7 @@ def run(cfg: GyreConfig) -> dict:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(raw: DictConfig) -> None:
     resolved = OmegaConf.to_container(raw, resolve=True)
     try:

@@ -1,0 +1,140 @@
+"""The embedded default, end to end: real processes, ZeroMQ sockets and HTTP, a short run.
+
+While the run goes, the test throws a malformed frame at the controller's socket, a malformed
+request at the proxy, and SIGKILLs a harness mid-run; each must leave a clear line in the logs
+and the run must finish. Afterwards: training moved the weights, and the engines served the new
+versions (the CallRecords say which version produced each call).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import safetensors.numpy
+import yaml
+import zmq
+
+from cellrunner.config import ModelConfig
+from cellrunner.model import build_model, flatten_params
+from controller import wire
+from controller.typed_config import build
+from harness_proxy.tokenizer import get_tokenizer
+from trajectory.log import AppendLog
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
+    """Wait for the run to be up, then misbehave once in each of three ways."""
+    endpoints = run_dir / "endpoints.json"
+    while not endpoints.exists() and not done.is_set():
+        time.sleep(0.1)
+    if done.is_set():
+        return
+    ep = json.loads(endpoints.read_text())
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(ep["controller"])
+    dealer.send(b"\x93\x01\xa5bogus\x80")  # [1, "bogus", {}]: a valid msgpack frame with an unknown tag
+    if dealer.poll(10_000):
+        report["controller_reply"] = wire.decode(dealer.recv())
+    dealer.close(0)
+    req = urllib.request.Request(f"{ep['proxy']}/v1/chat/completions", data=b"{not json",
+                                 headers={"Authorization": "Bearer nope", "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+    except urllib.error.HTTPError as exc:
+        report["proxy_status"] = exc.code
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not done.is_set():
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "workloads.harness" in cmd and any(str(run_dir) in c for c in cmd) and "-g" in " ".join(cmd):
+                try:
+                    p.send_signal(signal.SIGKILL)
+                    report["killed_harness"] = " ".join(cmd)
+                    return
+                except psutil.NoSuchProcess:
+                    continue
+        time.sleep(0.02)
+
+
+@pytest.mark.e2e
+def test_short_embedded_run(tmp_path):
+    runs = tmp_path / "runs"
+    argv = [
+        sys.executable, "-m", "controller.main", f"run.steps={STEPS}", f"run.runs_dir={runs}",
+        "workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
+        "workload.num_eval_tasks=4", "run.progress_every_s=5",
+    ]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run_dir = None
+    deadline = time.monotonic() + 30
+    while run_dir is None and time.monotonic() < deadline:
+        found = [p for p in runs.glob("*") if p.is_dir() and not p.is_symlink()] if runs.exists() else []
+        run_dir = found[0] if found else None
+        time.sleep(0.1)
+    assert run_dir is not None, "no run directory appeared"
+    done, report = threading.Event(), {}
+    t = threading.Thread(target=inject_faults, args=(run_dir, done, report), daemon=True)
+    t.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+
+    # The run finished its steps, every cell served, cells switched and trained.
+    assert summary["steps"] == STEPS
+    assert all(c["served_s"] > 0 for c in summary["cells"])
+    assert any(c["trained_s"] > 0 and c["core"] for c in summary["cells"])
+    assert sum(c["switches"] for c in summary["cells"]) >= 2
+    assert summary["switch_s"]["to_train_median"] is not None
+    for name in ("reward.png", "roles.png", "report.md", "metrics.jsonl"):
+        assert (run_dir / name).stat().st_size > 0
+
+    # Training changed the weights: the core's final checkpoint differs from the seeded init.
+    model_cfg = build(ModelConfig, yaml.safe_load((ROOT / "conf/model/tiny.yaml").read_text()))
+    tok = get_tokenizer(model_cfg.tokenizer, model_cfg.compact_ranks)
+    init = flatten_params(build_model(model_cfg, tok.vocab_size), 0)
+    final = safetensors.numpy.load_file(str(run_dir / f"checkpoints/v{STEPS}/model.safetensors"))
+    first = init.specs[0]
+    n = int(np.prod(first.shape))
+    assert not np.allclose(final[first.name].reshape(-1), init.data[first.offset:first.offset + n])
+
+    # The engines served the new versions: records carry the version that produced them.
+    records = []
+    for frame in AppendLog(run_dir / "processor/processor.log", fsync=False).scan():
+        try:
+            msg = wire.decode(frame)
+        except wire.ProtocolError:
+            continue  # the processor's own markers
+        if isinstance(msg, wire.CallRecord):
+            records.append(msg)
+    versions = {r.weight_version for r in records}
+    assert 0 in versions and max(versions) >= 1, versions
+    eval_end = [r for r in records if r.execution_id.startswith("eval-end")]
+    assert eval_end and all(r.weight_version == STEPS for r in eval_end)
+
+    # Each injected fault left a clear line and the run went on.
+    ctl_log = (run_dir / "controller.log").read_text()
+    assert isinstance(report.get("controller_reply"), wire.ErrorReply)
+    assert "unknown tag 'bogus'" in ctl_log
+    assert report.get("proxy_status") in (400, 401)
+    assert "killed_harness" in report, "no harness process was caught running"
+    assert "harness crashed" in ctl_log

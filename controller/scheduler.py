@@ -82,15 +82,19 @@ def _water_level(view: SchedulerView, cells: list[CellView], cfg: SchedulerConfi
     training = [c for c in cells if c.role == "train"]
     if view.train_demand <= 0:
         return [Switch(c.cell_id, "serve") for c in training if _movable(c)]
-    spare = len(serving) - need
+    # Only cells serving now hold work now: one still turning to serve does not free another.
+    spare = sum(1 for c in serving if c.phase == "serving") - need
     if spare > 0:
         # Core first (the step is applied there), then the least loaded, then who trained least.
         order = sorted((c for c in serving if _movable(c)), key=lambda c: (not c.is_core, c.num_running, c.trained_s, c.cell_id))
         return [Switch(c.cell_id, "train") for c in order[:spare]]
-    if spare < 0:
+    shortfall = need - len(serving)
+    if shortfall > 0:
         # Live work would overflow the serving cells: idle satellites first, the core last.
         back = sorted((c for c in training if _movable(c)), key=lambda c: (c.is_core, -c.trained_s, c.cell_id))
-        return [Switch(c.cell_id, "serve") for c in back[:-spare]]
+        return [Switch(c.cell_id, "serve") for c in back[:shortfall]]
+    if spare < 0:
+        return []  # enough cells are on their way to serving
     core = next((c for c in serving if c.is_core and _movable(c)), None)
     idle = sorted((c for c in training if _movable(c) and not c.is_core), key=lambda c: c.cell_id)
     if core is not None and idle:

@@ -19,3 +19,5 @@ class ProxyConfig:
     engine_timeout_s: float
     retry_attempts: int
     """Engines tried for one call before the harness gets an error (503 while re-routing)."""
+    route_wait_s: float
+    """How long a call waits for a serving engine to appear (all cells mid-switch) before 503."""

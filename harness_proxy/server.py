@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 RETRY_BACKOFF_S = 0.05
 """First pause before re-routing a call; doubles per attempt up to RETRY_BACKOFF_MAX_S."""
 RETRY_BACKOFF_MAX_S = 1.0
+ROUTE_POLL_S = 0.05
+"""How often a call with no engine to go to looks at the routing table again."""
 ABORT_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
 RECORD_SNDHWM = 100_000
@@ -458,7 +460,7 @@ class ProxyServer:
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
-            route = self.router.choose(call.execution_id, call.agent, exclude=tried)
+            route = await self._wait_for_route(call, tried)
             if route is None:
                 continue
             tried.append(route.url)
@@ -479,6 +481,20 @@ class ProxyServer:
             503, f"no engine could serve the call after {attempts} attempt(s): {last}",
             type="server_error", code="engine_unavailable",
         )
+
+    async def _wait_for_route(self, call: _Call, tried: list[str]) -> wire.EngineRoute | None:
+        """An engine for the call; while none is serving (cells mid-switch), wait for the next
+        routing table up to cfg.route_wait_s, so the harness sees a slower answer, not an error."""
+        deadline = asyncio.get_running_loop().time() + self.cfg.route_wait_s
+        version = self.router.table.version
+        while True:
+            route = self.router.choose(call.execution_id, call.agent, exclude=tried)
+            if route is not None or asyncio.get_running_loop().time() >= deadline:
+                return route
+            await asyncio.sleep(ROUTE_POLL_S)
+            if self.router.table.version != version:
+                version = self.router.table.version
+                tried.clear()  # a new table: engines that failed before may be serving again
 
     async def _engine_generate(self, route: wire.EngineRoute, call: _Call) -> EngineResult:
         assert self._http is not None, "start() first"

@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from cellrunner.config import ModelConfig
-from cellrunner.engine import EmbeddedEngine
+from cellrunner.engine import EmbeddedEngine, save_safetensors
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightServer, pull_weights, recv_grads, send_grads
@@ -50,6 +50,8 @@ class CellRunnerConfig:
     capacity_per_cell: int
     transfer_timeout_s: float
     seed: int
+    checkpoint_dir: str
+    """The core writes its final weights here (safetensors, one folder per version) at shutdown."""
 
 
 class CellRunner:
@@ -277,6 +279,9 @@ class CellRunner:
         self.ctl.send(wire.encode(msg))
 
     def shutdown(self) -> None:
+        if self.is_core and self.trainer.model is not None:
+            path = save_safetensors(self.trainer.weights(), os.path.join(self.cfg.checkpoint_dir, f"v{self.trainer.version}"))
+            log.info("core: saved weights version %d to %s", self.trainer.version, path)
         self.engine.stop()
         if self.weight_server is not None:
             self.weight_server.close()

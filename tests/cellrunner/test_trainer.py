@@ -66,7 +66,9 @@ def test_update_is_the_same_whoever_computes_it(seed):
     grads = [s.take_grads() for s in sats if s.model is not None]
     w_split, _ = core.apply(grads, num_executions=18)
     assert w_split.version == w_single.version == 1
-    np.testing.assert_allclose(w_split.data, w_single.data, rtol=0, atol=2e-6)
+    # Equal up to float32 summation order; AdamW's first step moves each weight by ~lr, so 1e-3 * lr
+    # is far below any real difference between the two updates.
+    np.testing.assert_allclose(w_split.data, w_single.data, rtol=0, atol=1e-3 * algo.lr)
     assert not np.allclose(w_split.data, v0.data)  # the step really moved the weights
 
 

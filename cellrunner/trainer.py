@@ -19,6 +19,7 @@ import torch
 from cellrunner.config import ModelConfig
 from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import FlatWeights, build_model, flatten_grads, flatten_params, load_flat
+from cellrunner.tree_pack import packed_token_logprobs, tree_chunks
 from controller.wire import Sequence, Shard
 from trajectory.config import AlgoConfig
 
@@ -101,9 +102,17 @@ class EmbeddedTrainer:
         assert self.model is not None, "microstep before start()"
         t0 = time.perf_counter()
         total_loss, num_tokens, ratios, clips, n = 0.0, 0, 0.0, 0.0, 0
-        for chunk in split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep):
+        sequences = list(shard.sequences)
+        if self.algo.tree_packing:
+            chunks = tree_chunks(sequences, self.algo.max_tokens_per_microstep)
+        else:
+            chunks = split_by_tokens(sequences, self.algo.max_tokens_per_microstep)
+        for chunk in chunks:
             batch = pack(chunk)
-            logprobs = token_logprobs(self.model, batch)
+            if self.algo.tree_packing:
+                logprobs = packed_token_logprobs(self.model, chunk, targets_only=True)
+            else:
+                logprobs = token_logprobs(self.model, batch)
             loss, stats = gspo_loss(logprobs, batch, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high)
             loss.backward()
             total_loss += stats.loss

@@ -23,6 +23,9 @@ class AlgoConfig:
     grad_clip: float
     """Global grad-norm clip on the combined gradient; 0 disables."""
     max_tokens_per_microstep: int
+    tree_packing: bool
+    """Compute dedup in the embedded trainer: run each execution's prefix trie once with a
+    tree-shaped attention mask instead of every chain in full (same log-probs, fewer FLOPs)."""
     max_trajectories_per_execution: int
     """Bounded sampling: at most this many trajectories of one execution are trained (by priority)."""
 

@@ -1,0 +1,1 @@
+"""Smoke tests of the benchmarks in ``bench/``: they run with tiny sizes; no timing is asserted."""

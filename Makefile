@@ -23,7 +23,11 @@ test: venv
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv
+	$(BIN)/python -m bench.learnability --vocab-bench
 	$(BIN)/python -m bench.learnability
+	$(BIN)/python -m bench.trajectory_cap
+	$(BIN)/python -m bench.tree_packing
+	$(BIN)/python -m bench.processor
 
 clean:
 	rm -rf runs outputs .pytest_cache

@@ -21,8 +21,27 @@ version behind would; the GSPO clip then decides which sequences still give grad
 
 Output: progress lines, then one JSON line (steps, wall_s, eval_reward_start, eval_reward_end,
 config, the eval curve and timings). ``--vocab-bench`` instead times fwd+bwd+AdamW on the same
-batch with the full Qwen vocabulary and the compact one and prints their ratio. Threads default to
+batch with the full Qwen vocabulary and the compact ones and prints the ratios. Threads default to
 1, as each cell gets one thread in the embedded system.
+
+Measured on 2 cores, 1 thread (2026-11-30); what chose the defaults in ``conf/``:
+
+- Over 4,000 rows of vocabulary, ~2,000 samples (60 steps of 4 x 8) do not find a target word:
+  the compact vocabulary of 1,024 ranks (1,050 rows) does (4,096: mean gain 0.28 vs 0.54).
+- The greedy policy of a random tied-embedding model echoes its last input token, ``\n`` after
+  ``assistant``: the reply is empty, the start reward 0.0. Untied embeddings start at ~0.2.
+- Reward shape: prefix agreement + difflib ratio beats either alone (pure ratio rewards letters
+  anywhere and collapses onto junk such as "target target"; pure prefix is too sparse to start).
+- Targets "return <word>": the shared word is found by step ~30, the policy then stops after it
+  (eval ~0.56); the topic word is not found before the policy's entropy collapses (still absent
+  after 300 steps). Every gain inside 60 steps is the shared word and a clean ending.
+- Defaults (1 layer, h128, lr 5e-3, 3 new tokens, 1 turn), 9 runs (3 init x 3 sampling seeds):
+  gain at 60 steps mean 0.54, min 0.46, each >= 0.39 by step 30 (the default seeds: 0.27 at
+  step 30, 0.48 from step 35).
+  150 steps, 6 runs: lr 5e-3 mean 0.58 (min 0.51); lr 1e-2 mean 0.45 with one run at 0.0 (its
+  greedy reply collapsed to empty). 2 layers 0.53 (min 0.39); 2 layers h192 0.51; 2 turns 0.45 (min 0.27);
+  2 new tokens 0.49; lr 3e-3 0.49; staleness 1 0.50 (min 0.40; the clip zeroes 45-75%).
+- One step here: 0.06 s sampling + 0.18 s fwd+bwd+AdamW for 32 executions.
 """
 
 from __future__ import annotations
@@ -30,11 +49,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +102,8 @@ def sample(
     stop_id: int,
     gen: torch.Generator,
 ) -> list[tuple[list[int], list[float]]]:
-    """Left-padded, KV-cached decoding: (output ids incl. a final stop id, their log-probs)."""
+    """Left-padded, KV-cached decoding: per prompt (output ids, their log-probs), ending at ``stop_id``
+    (included) or after ``max_new_tokens``."""
     model.eval()
     b, length = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, length, dtype=torch.long)
@@ -126,7 +147,6 @@ class Execution:
     """The next call's prompt ids (as the proxy would build them)."""
     file_text: str | None = None
     active: bool = True
-    outputs: list[str] = field(default_factory=list)
 
 
 def first_prompt(tok: QwenTokenizer, task: Task) -> list[int]:
@@ -153,7 +173,6 @@ def run_executions(
             e.target_mask += [1] * len(out)
             e.logprobs += lp
             reply, ended = split_output(tok, out)
-            e.outputs.append(reply)
             text = reply.strip()
             if not text:
                 e.active = False
@@ -164,17 +183,13 @@ def run_executions(
                 continue
             # The proxy splices the engine's ids for the echoed turn; a cut-off turn still closes.
             ctx = ([] if ended else [tok.im_end]) + tok.encode("\n")
-            ctx += render_turn(tok, "user", wrote_message(len(text.encode("utf-8")), task_file(e)))
+            ctx += render_turn(tok, "user", wrote_message(len(text.encode("utf-8")), e.task.file_name))
             ctx += generation_prompt(tok)
             e.tokens += ctx
             e.target_mask += [0] * len(ctx)
             e.logprobs += [0.0] * len(ctx)
             e.context = e.tokens[:]
     return execs
-
-
-def task_file(e: Execution) -> str:
-    return e.task.file_name
 
 
 def reward(e: Execution) -> float:
@@ -346,9 +361,9 @@ def vocab_bench(args: argparse.Namespace, wl: WorkloadConfig, mc: ModelConfig, a
         del model, optimizer
     full = result["qwen_full"]["step_s"]
     return {
-        "bench": "vocab_fwd_bwd_adamw", "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "host": platform.processor() or platform.machine(), "python": platform.python_version(),
-        "model": dataclasses.asdict(mc), "reps": args.vocab_reps, "vocabs": result,
+        "bench": "vocab_fwd_bwd_adamw", "config": {"model": dataclasses.asdict(mc), "reps": args.vocab_reps,
+                                                   "batch": f"{wl.groups_per_step}x{wl.group_size}"},
+        "vocabs": result,
         "speedup_vs_full": {k: round(full / v["step_s"], 2) for k, v in result.items() if k != "qwen_full"},
     }
 
@@ -356,8 +371,25 @@ def vocab_bench(args: argparse.Namespace, wl: WorkloadConfig, mc: ModelConfig, a
 # ---------------------------------------------------------------- entrypoint
 
 
+def run_info() -> dict[str, object]:
+    """Host and versions, as every benchmark's JSON line carries them."""
+    import transformers
+
+    return {
+        "host": {
+            "machine": platform.machine(), "processor": platform.processor(),
+            "system": f"{platform.system()} {platform.release()}", "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else 0.0,
+        },
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "numpy": np.__version__},
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0, help="task draws and sampling")
@@ -391,6 +423,8 @@ def apply_overrides(args, wl: WorkloadConfig, mc: ModelConfig, algo: AlgoConfig)
     wl = dataclasses.replace(wl, **pick(group_size=args.group_size, groups_per_step=args.groups_per_step,
                                         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                                         task_seed=args.task_seed))
+    # The probe never drops a group (no grader fails here); keep the config valid for small groups.
+    wl = dataclasses.replace(wl, min_usable_per_group=min(wl.min_usable_per_group, wl.group_size))
     m = pick(compact_ranks=args.compact_ranks, init_seed=args.init_seed, num_hidden_layers=args.layers,
              tie_word_embeddings=None if args.tie is None else bool(args.tie))
     if args.hidden is not None:
@@ -408,9 +442,13 @@ def apply_overrides(args, wl: WorkloadConfig, mc: ModelConfig, algo: AlgoConfig)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.small:
+        args.steps, args.eval_every, args.vocab_reps = 2, 1, 1
+        args.group_size, args.groups_per_step = args.group_size or 2, args.groups_per_step or 1
     torch.set_num_threads(args.threads)
     wl, mc, algo = apply_overrides(args, *load_configs())
     out = vocab_bench(args, wl, mc, algo) if args.vocab_bench else learn(args, wl, mc, algo)
+    out.update(run_info())
     print(json.dumps(out, sort_keys=True), flush=True)
     return 0
 

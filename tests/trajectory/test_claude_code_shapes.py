@@ -107,3 +107,36 @@ def test_thinking_dropped_by_the_template_branches_each_turn() -> None:
     seqs = build_sequences("think", select(trajectories, max_trajectories=5), advantage=1.0)
     # The echoed 301 END is context on the second branch: the policy made them on the first.
     assert sum(sum(s.target_mask) for s in seqs) == 4 + 3
+
+
+def test_fork_sub_agent_is_its_own_trajectory() -> None:
+    """A fork shares the parent's system[2], tools and first messages, but system[0] (the billing
+    block, first in the prompt) says cc_is_subagent, and the parent's turn is copied without text."""
+    run = Run("fork")
+    main = run.call(MAIN_SYSTEM + [USER, 201, ASSISTANT], [330, 331, END])  # text 330 + Agent(fork) 331
+    fork_prompt = [SYS, 105, 102, 103, USER, 201, ASSISTANT, 331, END, TOOL, 430, 431, ASSISTANT]
+    run.call(fork_prompt, [340, 341, END], lineage="sub-agent", agent_id="f1")
+    run.call(main + [TOOL, 432, ASSISTANT], [332, END])
+    kept = select(tree_of(run).trajectories(), max_trajectories=5)
+    assert [t.kind for t in kept] == ["main", "sub-agent"]
+    seqs = build_sequences("fork", kept, advantage=1.0)
+    fork = seqs[1]
+    # The copied parent turn (331, END) is context in the fork; only the fork's own output is trained.
+    assert [t for t, m in zip(fork.tokens, fork.target_mask) if m] == [340, 341, END]
+    assert sum(sum(s.target_mask) for s in seqs) == 3 + 2 + 3
+
+
+@pytest.mark.parametrize("spliced", [True, False])
+def test_reserialised_tool_input(spliced: bool) -> None:
+    """Claude Code echoes a Write tool_use with its input keys reordered (notes §8). When the proxy
+    splices the engine's own ids the history is append-only and the tree stays one chain; a
+    re-tokenised echo diverges and branches, yet every policy token is still trained once."""
+    run = Run("reser")
+    first = run.call(MAIN_SYSTEM + [USER, 201, ASSISTANT], [360, 361, 362, END])  # {content, file_path}
+    echoed = first if spliced else MAIN_SYSTEM + [USER, 201, ASSISTANT, 360, 362, 361, END]  # {file_path, content}
+    run.call(echoed + [TOOL, 440, ASSISTANT], [363, END])
+    trajectories = tree_of(run).trajectories()
+    assert len(trajectories) == (1 if spliced else 2)
+    seqs = build_sequences("reser", select(trajectories, max_trajectories=5), advantage=1.0)
+    targets = sorted(t for s in seqs for t, m in zip(s.tokens, s.target_mask) if m)
+    assert targets == sorted([360, 361, 362, END, 363, END])

@@ -1,0 +1,65 @@
+"""Execution lifecycle with the real bundled harness: a run past its timeout is killed and graded
+from its workspace (partial grading); a crashed run is excluded, never scored 0."""
+
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.executions import ExecutionManager
+from controller.typed_config import build
+from workloads.config import WorkloadConfig
+from workloads.tasks import make_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def workload(**over) -> WorkloadConfig:
+    return replace(build(WorkloadConfig, yaml.safe_load((ROOT / "conf/workload/wordmap.yaml").read_text())), **over)
+
+
+def wait_ended(mgr: ExecutionManager, deadline_s: float = 30.0):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        ended = mgr.poll(time.monotonic())
+        if ended:
+            return ended
+        time.sleep(0.05)
+    raise AssertionError("no execution ended")
+
+
+def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
+    silent = socket.socket()  # accepts connections, never answers: the harness hangs on its call
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    cfg = workload(timeout_s=1.0)
+    task = make_tasks(cfg)[0][0]
+    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           model_name="m", secret=b"k" * 32)
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
+    mgr.launch(ex, time.monotonic())
+    (ex.workspace / task.file_name).write_text(task.target)  # work the run left before it hung
+    (ended,) = wait_ended(mgr)
+    silent.close()
+    assert ended.outcome == "timed_out" and ended.state == "graded"
+    assert ended.reward == pytest.approx(1.0) and mgr.num_timed_out == 1
+    assert ended.proc.poll() is not None  # killed, not left behind
+
+
+def test_crashed_run_is_excluded_not_zero(tmp_path):
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens: the harness gives up and exits non-zero
+    cfg = workload(timeout_s=60.0)
+    task = make_tasks(cfg)[0][0]
+    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=f"http://127.0.0.1:{port}",
+                           model_name="m", secret=b"k" * 32)
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
+    mgr.launch(ex, time.monotonic())
+    (ended,) = wait_ended(mgr, 60.0)
+    assert ended.outcome == "crashed" and ended.state == "grade_failed"
+    assert ended.reward is None and mgr.num_crashed == 1

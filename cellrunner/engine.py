@@ -14,7 +14,6 @@ The only stop condition besides length is `stop_token_ids`; the model has no bui
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import os
@@ -269,8 +268,9 @@ class EmbeddedEngine:
             self.drain(0.0)
         with self._lifecycle:
             self._batch_loop.set_accepting(False)
+            # Parameters and KV tensors are freed by reference counting as the batch loop drops
+            # them (no cycles hold them); a full gc.collect() here cost ~0.9 s of every switch.
             self._batch_loop.release()
-            gc.collect()
         logger.info("engine cell=%s released", self._cell_id)
 
     def stop(self) -> None:

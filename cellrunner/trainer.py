@@ -8,7 +8,6 @@ weighting: a mean of per-execution means) and steps the optimizer.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -88,9 +87,8 @@ class EmbeddedTrainer:
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
         if not self.is_core:
-            self.model = None
+            self.model = None  # freed by reference counting; a full gc.collect() cost ~1.5 s a switch
             self.version = -1
-            gc.collect()
 
     def weights(self) -> FlatWeights:
         assert self.model is not None

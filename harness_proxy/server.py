@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -27,6 +28,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from controller import wire
+from harness_proxy import anthropic_api
 from harness_proxy.auth import bearer_token, verify_token
 from harness_proxy.config import ProxyConfig
 from harness_proxy.openai_api import (
@@ -35,7 +37,7 @@ from harness_proxy.openai_api import (
 )
 from harness_proxy.routing import Router
 from harness_proxy.sessions import SessionStore
-from harness_proxy.template import parse_output
+from harness_proxy.template import ParsedOutput, parse_output, render_messages
 from harness_proxy.tokenizer import QwenTokenizer
 
 log = logging.getLogger(__name__)
@@ -189,9 +191,23 @@ class _Execution:
 class _Call:
     execution_id: str
     agent: str
+    """The session and routing key: whose line of calls this one extends."""
     call_id: str
     prompt_ids: list[int]
     sampling_params: dict[str, Any]
+    lineage: wire.Lineage = "main"
+    agent_id: str = ""
+    """The harness's agent id, recorded on the CallRecord ('' for the main agent)."""
+
+
+class PromptTooLong(ApiError):
+    def __init__(self, num_prompt: int, limit: int):
+        super().__init__(
+            400, f"prompt is too long: {num_prompt} tokens, the maximum context is {limit} tokens",
+            param="messages", code="context_length_exceeded",
+        )
+        self.num_prompt = num_prompt
+        self.limit = limit
 
 
 class ProxyServer:
@@ -208,6 +224,7 @@ class ProxyServer:
         self.sink = sink
         self.router = Router()
         self.sessions = SessionStore(tokenizer, calls_per_agent=calls_per_agent)
+        self.minted = anthropic_api.MintedToolUses()
         self.url = ""
         self._secret = secret
         self._executions: dict[str, _Execution] = {}
@@ -221,6 +238,10 @@ class ProxyServer:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_request_bytes)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        app.router.add_route("HEAD", "/", self._hello)
+        app.router.add_route("HEAD", "/api/hello", self._hello)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         return app
@@ -277,6 +298,7 @@ class ProxyServer:
             for task in exe.in_flight:
                 task.cancel()
             self.sessions.drop_execution(execution_id)
+            self.minted.drop_execution(execution_id)
             self.router.forget(execution_id)
             log.info(
                 "execution %s sealed: %d calls recorded, %d in flight cancelled",
@@ -312,6 +334,69 @@ class ProxyServer:
             err = ApiError(500, "internal proxy error", type="server_error")
             return web.json_response(err.body(), status=500)
 
+    async def _hello(self, request: web.Request) -> web.Response:
+        """Claude Code's connectivity preflight (``HEAD /api/hello``; 2.1.197: ``HEAD /``)."""
+        return web.Response(status=200)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic ``POST /v1/messages`` (``?beta=true`` alike): the same call path as chat completions."""
+        execution_id = None
+        try:
+            execution_id = self._authorize(request)
+            req = anthropic_api.parse_messages_request(await self._read_body(request), request.headers)
+            exe_id = execution_id
+            # Echoed tool_use inputs back to the model's own, so a re-serialised turn still splices.
+            chat = dataclasses.replace(req.chat, messages=self.minted.canonicalize(exe_id, req.chat.messages))
+
+            def make_reply(parsed: ParsedOutput) -> dict[str, Any]:
+                return self.minted.reply(exe_id, parsed)
+
+            call, result, reply = await self._run_call(
+                execution_id, chat, agent=req.session_key, call_id=anthropic_api.new_message_id(),
+                make_reply=make_reply, lineage=req.lineage, agent_id=req.agent_id,  # type: ignore[arg-type]
+            )
+            body = anthropic_api.message_body(
+                message_id=call.call_id, model=chat.model or self.cfg.model_name, reply=reply,
+                stop=anthropic_api.stop_reason(result.finish, reply), num_prompt=len(call.prompt_ids),
+                num_output=len(result.output_ids),
+            )
+            return await self._respond_anthropic(request, body, stream=chat.stream)
+        except ApiError as err:
+            return self._anthropic_refusal("/v1/messages", execution_id, err)
+        except Exception:  # a bug of ours: say so, keep serving
+            log.exception("POST /v1/messages failed (execution %s)", execution_id or "-")
+            return self._anthropic_refusal("/v1/messages", execution_id, ApiError(500, "internal proxy error"))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """``{"input_tokens": N}``: the prompt ids a fresh render of the request would have."""
+        execution_id = None
+        try:
+            execution_id = self._authorize(request)
+            messages, tools = anthropic_api.parse_count_tokens_request(await self._read_body(request))
+            return web.json_response({"input_tokens": len(render_messages(self.tok, messages, tools=tools))})
+        except ApiError as err:
+            return self._anthropic_refusal("/v1/messages/count_tokens", execution_id, err)
+
+    def _anthropic_refusal(self, path: str, execution_id: str | None, err: ApiError) -> web.Response:
+        too_long = (err.num_prompt, err.limit) if isinstance(err, PromptTooLong) else None
+        status, body = anthropic_api.error_reply(err, too_long=too_long)
+        log.warning("POST %s refused %d (execution %s): %s", path, status, execution_id or "-", body["error"]["message"])
+        return web.json_response(body, status=status)
+
+    async def _respond_anthropic(self, request: web.Request, body: dict[str, Any], *, stream: bool) -> web.StreamResponse:
+        headers = {CALL_ID_HEADER: body["id"], "request-id": body["id"]}
+        if not stream:
+            return web.json_response(body, headers=headers)
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            for event in anthropic_api.stream_events(body):
+                await resp.write(event)
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("call %s: harness disconnected while its (recorded) answer streamed", body["id"])
+        return resp
+
     def _authorize(self, request: web.Request) -> str:
         token = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
         if not token:
@@ -333,8 +418,27 @@ class ProxyServer:
             raise ApiError(413, f"request body is over the {limit}-byte limit") from None
 
     async def _complete(self, request: web.Request, execution_id: str, chat: ChatRequest) -> web.StreamResponse:
-        agent = ""  # the main agent; sub-agent keys arrive with the Anthropic adapter
-        call, spliced = self._plan_call(execution_id, agent, chat)
+        call, result, message = await self._run_call(
+            execution_id, chat, agent="", call_id=new_call_id(), make_reply=reply_message
+        )
+        return await self._respond(
+            request, chat, call_id=call.call_id, message=message, finish=finish_reason(result.finish, message),
+            num_prompt=len(call.prompt_ids), num_output=len(result.output_ids),
+        )
+
+    async def _run_call(
+        self, execution_id: str, chat: ChatRequest, *, agent: str, call_id: str,
+        make_reply: Any, lineage: wire.Lineage = "main", agent_id: str = "",
+    ) -> tuple[_Call, EngineResult, dict[str, Any]]:
+        """Plan, generate, record, remember: the API-independent part of one call.
+
+        ``make_reply(ParsedOutput) -> dict`` builds the assistant message in template form (what
+        the harness will be told, and what the session remembers for the next call's splice).
+        Returns once the CallRecord is on its way to the processor (persist, then acknowledge).
+        """
+        call, spliced = self._plan_call(
+            execution_id, agent, chat, call_id=call_id, lineage=lineage, agent_id=agent_id
+        )
         if execution_id in self._sealed:  # sealed while the body was read
             raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
         exe = self._executions.setdefault(execution_id, _Execution())
@@ -342,9 +446,7 @@ class ProxyServer:
         result = await self._generate_tracked(exe, call)
         finished_at = time.time()
 
-        message = reply_message(parse_output(self.tok, result.output_ids))
-        # Persist, then acknowledge: the record is on its way to the processor before the harness
-        # sees the answer.
+        message = make_reply(parse_output(self.tok, result.output_ids))
         record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at)
         self.sessions.remember(
             execution_id, agent, messages=chat.messages, tools=chat.tools, reply=message,
@@ -355,34 +457,33 @@ class ProxyServer:
         except Exception as exc:
             raise ApiError(503, f"the call could not be recorded ({exc}); retry", type="server_error") from None
         log.debug(
-            "call %s execution %s #%d: %d prompt ids (%s), %d output ids, %s, cell %d, weight v%d",
-            call.call_id, execution_id, record.call_index, len(call.prompt_ids),
+            "call %s execution %s #%d (%s %s): %d prompt ids (%s), %d output ids, %s, cell %d, weight v%d",
+            call.call_id, execution_id, record.call_index, lineage, agent_id or "-", len(call.prompt_ids),
             "spliced" if spliced else "rendered", len(result.output_ids), result.finish,
             result.route.cell_id, result.weight_version,
         )
-        return await self._respond(
-            request, chat, call_id=call.call_id, message=message, finish=finish_reason(result.finish, message),
-            num_prompt=len(call.prompt_ids), num_output=len(result.output_ids),
-        )
+        return call, result, message
 
-    def _plan_call(self, execution_id: str, agent: str, chat: ChatRequest) -> tuple[_Call, bool]:
+    def _plan_call(
+        self, execution_id: str, agent: str, chat: ChatRequest, *, call_id: str, lineage: wire.Lineage,
+        agent_id: str,
+    ) -> tuple[_Call, bool]:
         """Prompt ids and sampling for one call; refuse (400) a prompt that leaves no room to answer."""
         plan = self.sessions.build_prompt(execution_id, agent, chat.messages, chat.tools)
         num_prompt = len(plan.prompt_ids)
         limit = self.cfg.max_context_tokens
         if num_prompt >= limit:
-            raise ApiError(
-                400, f"prompt is too long: {num_prompt} tokens, the maximum context is {limit} tokens",
-                param="messages", code="context_length_exceeded",
-            )
+            raise PromptTooLong(num_prompt, limit)
         cap = self.cfg.max_new_tokens_cap
         sampling = {
             "max_new_tokens": min(chat.max_tokens or cap, cap, limit - num_prompt),
             "temperature": chat.temperature, "top_p": chat.top_p,
             "stop_token_ids": [self.tok.im_end, self.tok.endoftext],
         }
-        call = _Call(execution_id=execution_id, agent=agent, call_id=new_call_id(), prompt_ids=plan.prompt_ids,
-                     sampling_params=sampling)
+        call = _Call(
+            execution_id=execution_id, agent=agent, call_id=call_id, prompt_ids=plan.prompt_ids,
+            sampling_params=sampling, lineage=lineage, agent_id=agent_id,
+        )
         return call, plan.spliced
 
     def _record(
@@ -398,7 +499,7 @@ class ProxyServer:
             execution_id=call.execution_id, call_id=call.call_id, call_index=exe.num_calls,
             prompt_ids=call.prompt_ids, output_ids=result.output_ids, output_logprobs=result.output_logprobs,
             weight_version=result.weight_version, cell_id=result.route.cell_id, finish_reason=result.finish,
-            lineage="main", agent_id=call.agent, started_at=started_at, finished_at=finished_at,
+            lineage=call.lineage, agent_id=call.agent_id, started_at=started_at, finished_at=finished_at,
         )
         record.check()
         exe.num_calls += 1

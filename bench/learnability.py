@@ -39,8 +39,12 @@ Measured on 2 cores, 1 thread (2026-11-30); what chose the defaults in ``conf/``
   gain at 60 steps mean 0.54, min 0.46, each >= 0.39 by step 30 (the default seeds: 0.27 at
   step 30, 0.48 from step 35).
   150 steps, 6 runs: lr 5e-3 mean 0.58 (min 0.51); lr 1e-2 mean 0.45 with one run at 0.0 (its
-  greedy reply collapsed to empty). 2 layers 0.53 (min 0.39); 2 layers h192 0.51; 2 turns 0.45 (min 0.27);
-  2 new tokens 0.49; lr 3e-3 0.49; staleness 1 0.50 (min 0.40; the clip zeroes 45-75%).
+  greedy reply collapsed to empty). With ``--staleness 1`` (150 steps, 6 runs) lr 1e-2 does
+  better (0.60, min 0.56; the clip damps it) than 5e-3 (0.58, min 0.46): 5e-3 is the default
+  that never failed in either regime (colocate is on-policy, elastic/async one version behind).
+- Other choices at 60 steps (mean gain, 6-9 runs): 2 layers 0.53 (min 0.39); 2 layers h192 0.51;
+  2 turns 0.45 (min 0.27); 2 new tokens 0.49; lr 3e-3 0.49; staleness 1 0.50 (min 0.40: the
+  clip zeroes 45-75% of the sequences one AdamW step later).
 - One step here: 0.06 s sampling + 0.18 s fwd+bwd+AdamW for 32 executions.
 """
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cellrunner.config import ModelConfig
-from controller.typed_config import ConfigError, build
+from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
 from trajectory.config import AlgoConfig
 from workloads.config import WorkloadConfig
@@ -90,8 +90,4 @@ class GyreConfig:
 
 def build_config(resolved: dict[str, Any]) -> GyreConfig:
     """`resolved` is `OmegaConf.to_container(cfg, resolve=True)` without the `hydra` key."""
-    data = {k: v for k, v in resolved.items() if k != "hydra"}
-    try:
-        return build(GyreConfig, data)
-    except ConfigError:
-        raise
+    return build(GyreConfig, {k: v for k, v in resolved.items() if k != "hydra"})

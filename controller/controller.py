@@ -49,9 +49,11 @@ class EvalRound:
     def done(self) -> bool:
         return all(not ex.live for ex in self.executions)
 
-    def mean(self) -> float:
-        # A failed grade (None) counts as 0 here on purpose: eval measures what the policy did.
-        return sum(ex.reward or 0.0 for ex in self.executions) / len(self.executions)
+    def mean(self) -> float | None:
+        """Mean reward of the graded runs: a grader failure or a crashed harness is left out
+        (and logged), never scored 0, as in training."""
+        rewards = [ex.reward for ex in self.executions if ex.reward is not None]
+        return sum(rewards) / len(rewards) if rewards else None
 
 
 class Controller:
@@ -479,7 +481,9 @@ class Controller:
         rnd = self.evals[-1]
         self.metrics.log("eval", t=time.monotonic() - self.t0, label=rnd.label, step=rnd.at_step, reward=rnd.mean(),
                          rewards=[ex.reward for ex in rnd.executions])
-        log.info("eval (%s, version %d): mean reward %.3f over %d held-out tasks", rnd.label, rnd.at_step, rnd.mean(), len(rnd.executions))
+        graded = sum(1 for ex in rnd.executions if ex.reward is not None)
+        log.info("eval (%s, version %d): mean reward %s over %d of %d held-out tasks graded", rnd.label,
+                 rnd.at_step, rnd.mean(), graded, len(rnd.executions))
 
     def progress(self, now: float) -> None:
         roles = " ".join(f"{c.cell_id}{'*' if c.is_core else ''}:{c.phase[:5]}" for c in self.cells.cells.values())

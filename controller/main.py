@@ -49,7 +49,7 @@ def run(cfg: GyreConfig) -> dict:
                "executions_crashed": ctl.executions.num_crashed, "executions_timed_out": ctl.executions.num_timed_out,
                "grader_failures": ctl.executions.num_grade_failed, "bad_control_frames": ctl.num_bad_frames},
     )
-    eval_points = [(r.at_step, r.mean()) for r in ctl.evals]
+    eval_points = [(r.at_step, r.mean()) for r in ctl.evals if r.mean() is not None]
     plot_rewards(run_dir, ctl.step_rewards, eval_points)
     plot_roles(run_dir, cells, ctl.t0, now)
     write_markdown(run_dir, summary)

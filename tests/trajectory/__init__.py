@@ -14,6 +14,7 @@ import yaml
 from controller.typed_config import build
 from controller.wire import CallRecord, ExecutionSealed, Grade, Lineage, Outcome
 from trajectory.config import AlgoConfig
+from trajectory.tree import TokenTree
 
 REPO = Path(__file__).resolve().parents[2]
 SYS, USER, ASSISTANT, TOOL, END = 1, 2, 3, 4, 5
@@ -94,3 +95,11 @@ class Run:
 
     def sealed(self) -> ExecutionSealed:
         return sealed(self.execution_id, len(self.records))
+
+
+def tree_of(run: Run) -> TokenTree:
+    """The execution's trajectory tree, built from its records in arrival order."""
+    tree = TokenTree(run.execution_id)
+    for r in run.records:
+        tree.insert(r)
+    return tree

@@ -11,10 +11,9 @@ import math
 
 import pytest
 
-from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run
+from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, tree_of
 from trajectory.samples import build_sequences
 from trajectory.sampling import select
-from trajectory.tree import TokenTree
 
 MAIN_SYSTEM = [SYS, 101, 102, 103]       # system blocks + tools, billing suffix 103
 MAIN_SYSTEM_AFTER = [SYS, 101, 102, 104]  # the billing suffix changes after compaction
@@ -41,13 +40,6 @@ def claude_code_run() -> Run:
     main = run.call(post, [306, END])
     run.call(main + [TOOL, 405, ASSISTANT], [307, END])
     return run
-
-
-def tree_of(run: Run) -> TokenTree:
-    tree = TokenTree(run.execution_id)
-    for r in run.records:
-        tree.insert(r)
-    return tree
 
 
 def test_kinds_and_counts() -> None:

@@ -7,20 +7,12 @@ import math
 import pytest
 
 from controller.wire import Sequence
-from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run
+from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, tree_of
 from trajectory.advantages import group_advantages
 from trajectory.samples import build_sequences, pack_shards
 from trajectory.sampling import select
-from trajectory.tree import TokenTree
 
 PROMPT = [SYS, 101, USER, 201, ASSISTANT]
-
-
-def tree_of(run: Run) -> TokenTree:
-    tree = TokenTree(run.execution_id)
-    for r in run.records:
-        tree.insert(r)
-    return tree
 
 
 def branching_run() -> Run:

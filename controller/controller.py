@@ -85,7 +85,6 @@ class Controller:
         self.step_rewards: list[tuple[int, float]] = []
         self.num_bad_frames = 0
         self.num_groups_dropped = 0
-        self.peers_seen: set[str] = set()
         self.identities: dict[str, bytes] = {}
         self.t0 = time.monotonic()
         self.next_progress = 0.0
@@ -122,16 +121,15 @@ class Controller:
                               ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr],
                               self.log_dir)
         deadline = time.monotonic() + c.cluster.start_timeout_s
-        while any(cell.phase == "starting" for cell in self.cells.cells.values()):
+        # Grades and routing tables go to peers by name: wait for every Hello, not just the cells.
+        while (any(cell.phase == "starting" for cell in self.cells.cells.values())
+               or not {"processor", "proxy"} <= self.identities.keys()):
             if time.monotonic() > deadline:
-                raise StartError("cells not ready in time")
+                raise StartError(f"not ready in time; peers heard from: {sorted(self.identities)}")
             for cell in self.cells.cells.values():
                 if cell.proc.poll() is not None and cell.phase == "starting":
                     raise StartError(f"cell {cell.cell_id} exited:\n{log_tail(self.log_dir, f'cell{cell.cell_id}')}")
             self._drain_socket(timeout_ms=100)
-        for name in ("processor", "proxy"):
-            if name not in self.peers_seen:
-                self._drain_socket(timeout_ms=200)
         self.push_routing()
         # Where everything listens, for operators and tests (the processor's address is in its ready file).
         self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
@@ -230,7 +228,6 @@ class Controller:
             self.send_raw(ident, wire.ErrorReply(where="controller", message=f"no cell {msg.cell_id}"))
             return
         self.identities[name] = ident
-        self.peers_seen.add(msg.peer if msg.peer != "cell" else name)
 
     def _cell(self, ident: bytes, cell_id: int) -> Cell | None:
         cell = self.cells.cells.get(cell_id)

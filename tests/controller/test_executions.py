@@ -31,16 +31,20 @@ def wait_ended(mgr: ExecutionManager, deadline_s: float = 30.0):
     raise AssertionError("no execution ended")
 
 
+def launch_one(tmp_path: Path, cfg: WorkloadConfig, proxy_url: str):
+    """Plan and launch one execution of the first training task against ``proxy_url``."""
+    task = make_tasks(cfg)[0][0]
+    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=proxy_url, model_name="m", secret=b"k" * 32)
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
+    mgr.launch(ex, time.monotonic())
+    return mgr, ex, task
+
+
 def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
     silent = socket.socket()  # accepts connections, never answers: the harness hangs on its call
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
-    cfg = workload(timeout_s=1.0)
-    task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           model_name="m", secret=b"k" * 32)
-    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
-    mgr.launch(ex, time.monotonic())
+    mgr, ex, task = launch_one(tmp_path, workload(timeout_s=1.0), f"http://127.0.0.1:{silent.getsockname()[1]}")
     (ex.workspace / task.file_name).write_text(task.target)  # work the run left before it hung
     (ended,) = wait_ended(mgr)
     silent.close()
@@ -54,12 +58,7 @@ def test_crashed_run_is_excluded_not_zero(tmp_path):
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()  # nothing listens: the harness gives up and exits non-zero
-    cfg = workload(timeout_s=60.0)
-    task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=f"http://127.0.0.1:{port}",
-                           model_name="m", secret=b"k" * 32)
-    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
-    mgr.launch(ex, time.monotonic())
+    mgr, _, _ = launch_one(tmp_path, workload(timeout_s=60.0), f"http://127.0.0.1:{port}")
     (ended,) = wait_ended(mgr, 60.0)
     assert ended.outcome == "crashed" and ended.state == "grade_failed"
     assert ended.reward is None and mgr.num_crashed == 1

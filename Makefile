@@ -4,9 +4,23 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv run test bench clean
+# The real Claude Code binary for the harness tests: npm package, version pinned (notes §1: a
+# bare install resolves to an old 2.1.x). tests/harness_proxy/claude_code.py reads this line.
+CLAUDE_CODE_VERSION := 2.1.332
+CLAUDE_CODE_STAMP   := .tools/claude-code/.installed-$(CLAUDE_CODE_VERSION)
+
+.PHONY: venv claude-code run test bench clean
 
 venv: $(STAMP)
+
+claude-code: $(CLAUDE_CODE_STAMP)
+
+$(CLAUDE_CODE_STAMP):
+	mkdir -p .tools/claude-code
+	rm -f .tools/claude-code/.installed-*
+	npm install --prefix .tools/claude-code --no-audit --no-fund --no-save @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	.tools/claude-code/node_modules/.bin/claude --version
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +33,7 @@ $(STAMP): pyproject.toml
 run: venv
 	$(BIN)/gyre $(ARGS)
 
-test: venv
+test: venv claude-code
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv

@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness_proxy.openai_api import ApiError, ChatRequest, _number
-from harness_proxy.template import ParsedOutput
+from harness_proxy.template import EXACT_IDS_KEY, ParsedOutput, content_text
 
 SUMMARY_MARKER = "Your task is to create a detailed summary"
 """In the text block Claude Code appends to the last user message of a compaction-summary call."""
@@ -272,27 +272,41 @@ def parse_count_tokens_request(raw: bytes) -> tuple[list[dict[str, Any]], list[d
 
 
 class MintedToolUses:
-    """Per execution: each ``toolu_...`` id the proxy returned -> (name, input) as the model wrote it."""
+    """Per execution: each ``toolu_...`` id the proxy returned -> the turn that minted it.
+
+    A turn is remembered with the tool inputs as the model wrote them and the engine's exact
+    output ids. ``canonicalize`` restores echoed inputs (so a re-serialised turn still compares
+    equal for the session splice) and, where the echoed turn is the whole reply unchanged (same
+    text, thinking and tool_use ids), marks it with the output ids, so that even a history the
+    proxy must render from scratch (after a compaction, in a fork) carries the policy's own ids.
+    """
 
     def __init__(self) -> None:
-        self._by_execution: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {}
+        self._by_execution: dict[str, dict[str, _MintedTurn]] = {}
 
-    def reply(self, execution_id: str, parsed: ParsedOutput) -> dict[str, Any]:
+    def reply(self, execution_id: str, parsed: ParsedOutput, output_ids: list[int]) -> dict[str, Any]:
         """The template form of the assistant reply, minting (and remembering) its tool_use ids."""
         msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning is not None:
             msg["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
+            msg["tool_calls"] = [
+                {"id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "arguments": call.arguments}
+                for call in parsed.tool_calls
+            ]
+            turn = _MintedTurn(
+                content=parsed.content, reasoning=parsed.reasoning or "",
+                tool_use_ids=tuple(c["id"] for c in msg["tool_calls"]), output_ids=tuple(output_ids),
+                calls={c["id"]: (c["name"], c["arguments"]) for c in msg["tool_calls"]},
+            )
             minted = self._by_execution.setdefault(execution_id, {})
-            msg["tool_calls"] = []
-            for call in parsed.tool_calls:
-                tool_use_id = f"toolu_{uuid.uuid4().hex[:24]}"
-                minted[tool_use_id] = (call.name, call.arguments)
-                msg["tool_calls"].append({"id": tool_use_id, "name": call.name, "arguments": call.arguments})
+            for call in msg["tool_calls"]:
+                minted[call["id"]] = turn
         return msg
 
     def canonicalize(self, execution_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``messages`` with each echoed tool_use the proxy minted restored to the model's own input."""
+        """``messages`` with each echoed tool_use the proxy minted restored to the model's own input,
+        and each echoed whole reply marked with its exact output ids."""
         minted = self._by_execution.get(execution_id)
         if not minted:
             return messages
@@ -300,16 +314,46 @@ class MintedToolUses:
         for m in messages:
             calls = m.get("tool_calls")
             if m.get("role") == "assistant" and calls and any(c.get("id") in minted for c in calls):
-                m = {**m, "tool_calls": [
-                    {"id": c["id"], "name": minted[c["id"]][0], "arguments": minted[c["id"]][1]}
+                restored = [
+                    {"id": c["id"], "name": minted[c["id"]].name_of(c["id"]), "arguments": minted[c["id"]].args_of(c["id"])}
                     if c.get("id") in minted else c
                     for c in calls
-                ]}
+                ]
+                m = {**m, "tool_calls": restored}
+                turn = minted.get(calls[0].get("id"))
+                if turn is not None and turn.is_echoed_by(m):
+                    m[EXACT_IDS_KEY] = list(turn.output_ids)
             out.append(m)
         return out
 
     def drop_execution(self, execution_id: str) -> None:
         self._by_execution.pop(execution_id, None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _MintedTurn:
+    content: str
+    reasoning: str
+    tool_use_ids: tuple[str, ...]
+    output_ids: tuple[int, ...]
+    calls: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict, compare=False)
+
+    def name_of(self, tool_use_id: str) -> str:
+        return self.calls[tool_use_id][0]
+
+    def args_of(self, tool_use_id: str) -> dict[str, Any]:
+        return self.calls[tool_use_id][1]
+
+    def is_echoed_by(self, m: dict[str, Any]) -> bool:
+        """The harness sent this turn back whole: the same tool_use ids in order, text and thinking
+        byte-equal (an empty text block dropped is the same text). A fork that copies only the
+        tool_use blocks, or a turn whose text was edited, is not."""
+        ids = tuple(c.get("id") for c in m.get("tool_calls") or [])
+        return (
+            ids == self.tool_use_ids
+            and content_text(m.get("content")) == self.content
+            and (m.get("reasoning_content") or "") == self.reasoning
+        )
 
 
 # ---------------------------------------------------------------- responses

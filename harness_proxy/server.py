@@ -4,8 +4,8 @@
 (size-capped) -> validated request -> prompt ids (``SessionStore``: the engine's exact ids for
 echoed turns) -> an engine from the ``Router`` (retried on other engines while a cell drains) ->
 CallRecord pushed to the trajectory processor -> only then the HTTP response (persist, then
-acknowledge). A harness that hangs up mid-call gets its engine request aborted and nothing
-recorded. ``seal`` revokes an execution and queues ``ExecutionSealed`` behind its last record.
+acknowledge). A harness that hangs up mid-call gets its engine request aborted and a record
+with ``finish_reason="abort"`` and no output says so. ``seal`` revokes an execution and queues ``ExecutionSealed`` behind its last record.
 
 One asyncio event loop owns everything here; the control plane (``harness_proxy.main``) calls
 ``apply_routing_table`` and ``seal`` on the same loop.
@@ -53,6 +53,7 @@ RECORD_SNDHWM = 100_000
 """Frames queued on the processor socket before a push waits (back-pressure, never a drop)."""
 MAX_TOKEN_ID = 2**31 - 1
 CALL_ID_HEADER = "x-gyre-call-id"
+EXECUTION_TOKEN_HEADER = "x-gyre-execution-token"
 
 
 # ---------------------------------------------------------------- recording
@@ -348,8 +349,8 @@ class ProxyServer:
             # Echoed tool_use inputs back to the model's own, so a re-serialised turn still splices.
             chat = dataclasses.replace(req.chat, messages=self.minted.canonicalize(exe_id, req.chat.messages))
 
-            def make_reply(parsed: ParsedOutput) -> dict[str, Any]:
-                return self.minted.reply(exe_id, parsed)
+            def make_reply(parsed: ParsedOutput, output_ids: list[int]) -> dict[str, Any]:
+                return self.minted.reply(exe_id, parsed, output_ids)
 
             call, result, reply = await self._run_call(
                 execution_id, chat, agent=req.session_key, call_id=anthropic_api.new_message_id(),
@@ -398,7 +399,14 @@ class ProxyServer:
         return resp
 
     def _authorize(self, request: web.Request) -> str:
-        token = bearer_token(request.headers.get("Authorization")) or request.headers.get("x-api-key")
+        """The execution a call belongs to, from its per-execution token: the EXECUTION_TOKEN_HEADER
+        header when present (a harness whose API key is fixed passes it through
+        ``ANTHROPIC_CUSTOM_HEADERS``), else ``Authorization: Bearer`` or ``x-api-key``."""
+        token = (
+            request.headers.get(EXECUTION_TOKEN_HEADER)
+            or bearer_token(request.headers.get("Authorization"))
+            or request.headers.get("x-api-key")
+        )
         if not token:
             raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
         execution_id = verify_token(self._secret, token)
@@ -419,7 +427,8 @@ class ProxyServer:
 
     async def _complete(self, request: web.Request, execution_id: str, chat: ChatRequest) -> web.StreamResponse:
         call, result, message = await self._run_call(
-            execution_id, chat, agent="", call_id=new_call_id(), make_reply=reply_message
+            execution_id, chat, agent="", call_id=new_call_id(),
+            make_reply=lambda parsed, output_ids: reply_message(parsed),
         )
         return await self._respond(
             request, chat, call_id=call.call_id, message=message, finish=finish_reason(result.finish, message),
@@ -432,7 +441,7 @@ class ProxyServer:
     ) -> tuple[_Call, EngineResult, dict[str, Any]]:
         """Plan, generate, record, remember: the API-independent part of one call.
 
-        ``make_reply(ParsedOutput) -> dict`` builds the assistant message in template form (what
+        ``make_reply(ParsedOutput, output_ids) -> dict`` builds the assistant message in template form (what
         the harness will be told, and what the session remembers for the next call's splice).
         Returns once the CallRecord is on its way to the processor (persist, then acknowledge).
         """
@@ -446,7 +455,7 @@ class ProxyServer:
         result = await self._generate_tracked(exe, call)
         finished_at = time.time()
 
-        message = make_reply(parse_output(self.tok, result.output_ids))
+        message = make_reply(parse_output(self.tok, result.output_ids), result.output_ids)
         record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at)
         self.sessions.remember(
             execution_id, agent, messages=chat.messages, tools=chat.tools, reply=message,
@@ -505,6 +514,16 @@ class ProxyServer:
         exe.num_calls += 1
         return record, self.sink.put(record)
 
+    def _record_hang_up(self, exe: _Execution, call: _Call) -> None:
+        """A CallRecord saying the harness hung up mid-call: the prompt, no output, finish ``abort``
+        (cell -1: no engine answered). The trajectory tree counts it and adds no path."""
+        if call.execution_id in self._sealed:
+            return
+        now = time.time()
+        result = EngineResult(wire.EngineRoute(cell_id=-1, url=""), [], [], 0, "abort")
+        _, pushed = self._record(exe, call, result, started_at=now, finished_at=now)
+        pushed.add_done_callback(_log_unsent(f"abort record of {call.call_id}"))
+
     async def _respond(
         self, request: web.Request, chat: ChatRequest, *, call_id: str, message: dict[str, Any], finish: str,
         num_prompt: int, num_output: int,
@@ -542,9 +561,10 @@ class ProxyServer:
             me = asyncio.current_task()
             if me is not None and me.cancelling():
                 log.info(
-                    "call %s (execution %s): harness disconnected; engine request aborted, nothing recorded",
+                    "call %s (execution %s): harness disconnected; engine request aborted, recorded as abort",
                     call.call_id, call.execution_id,
                 )
+                self._record_hang_up(exe, call)
                 raise
             raise ApiError(
                 401, f"execution {call.execution_id} was sealed during the call; not recorded", code="invalid_api_key"

@@ -56,6 +56,12 @@ class _Ids:
         self.ids.append(self.tok.specials[name])
         return self
 
+    def raw(self, ids: list[int]) -> _Ids:
+        """Ids taken as they are (an engine's own output), not re-encoded from text."""
+        self._flush()
+        self.ids += ids
+        return self
+
     def done(self) -> list[int]:
         self._flush()
         return self.ids
@@ -104,7 +110,19 @@ def _system_turn(b: _Ids, system: str | None, tools: list[Any] | None) -> None:
     b.special("<|im_end|>").text("\n")
 
 
+EXACT_IDS_KEY = "_exact_output_ids"
+"""Set by an API adapter on an echoed assistant message it recognised as one of the proxy's own
+replies: the engine's output ids for it, rendered verbatim instead of re-encoding the text."""
+
+
 def _assistant_turn(b: _Ids, m: dict[str, Any]) -> None:
+    exact = m.get(EXACT_IDS_KEY)
+    if exact:
+        b.special("<|im_start|>").text("assistant\n").raw(exact)
+        if exact[-1] != b.tok.im_end:  # cut by length: close the turn as the session splice does
+            b.special("<|im_end|>")
+        b.text("\n")
+        return
     content = content_text(m.get("content"))
     reasoning = m.get("reasoning_content")
     b.special("<|im_start|>").text("assistant\n")

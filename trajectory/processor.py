@@ -75,6 +75,8 @@ class Counters:
     num_records: int = 0
     num_duplicate_records: int = 0
     num_side_calls: int = 0
+    num_hung_up_calls: int = 0
+    """Calls the harness hung up on before any output (recorded with finish ``abort``)."""
     num_late_records: int = 0
     """Records or seals for an execution whose group (or eval run) is already done."""
     num_eval_records: int = 0
@@ -166,8 +168,10 @@ class Processor:
             return []
         ex.call_ids.add(record.call_id)
         self.counters.num_records += 1
-        if not inserted:
+        if not inserted and record.lineage == "side":
             self.counters.num_side_calls += 1
+        elif not inserted:
+            self.counters.num_hung_up_calls += 1
         return []
 
     def on_sealed(self, sealed: ExecutionSealed) -> list[Message]:

@@ -136,6 +136,7 @@ class TokenTree:
         self.calls: list[CallInfo] = []
         self._call_refs: dict[str, int] = {}
         self.num_side_calls = 0
+        self.num_hung_up_calls = 0
         self.num_duplicate_calls = 0
         self.num_tokens = 0
         """Positions in the tree (shared prefixes counted once)."""
@@ -152,6 +153,9 @@ class TokenTree:
         """
         if record.lineage == "side":
             self.num_side_calls += 1
+            return False
+        if record.finish_reason == "abort" and not record.output_ids:
+            self.num_hung_up_calls += 1  # the harness hung up before any output: no new path
             return False
         if record.call_id in self._call_refs:
             self.num_duplicate_calls += 1

@@ -89,6 +89,8 @@ class ScriptedEngine:
         self.cell_id = cell_id
         self.weight_version = weight_version
         self.script: deque[Step] = deque()
+        self.policy: Callable[[list[int]], Step] | None = None
+        """When set, answers come from ``policy(input_ids)`` instead of ``script``."""
         self.requests: list[dict[str, Any]] = []
         self.aborted: list[str] = []
         self.url = ""
@@ -127,7 +129,10 @@ class ScriptedEngine:
         assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
         assert set(body["sampling_params"]) <= {"max_new_tokens", "temperature", "top_p", "stop_token_ids"}
         self.requests.append(body)
-        step = self.script.popleft() if self.script else Step()
+        if self.policy is not None:
+            step = self.policy(body["input_ids"])
+        else:
+            step = self.script.popleft() if self.script else Step()
         if step.status != 200:
             return web.json_response({"error": {"message": "engine unavailable"}}, status=step.status)
         if step.hang:

@@ -141,6 +141,33 @@ def test_tool_use_round_trip_with_a_reserialised_echo_splices_the_engine_ids(pro
     assert r1.usage.input_tokens == len(rec1.prompt_ids) and r1.usage.output_tokens == len(out1)
 
 
+def test_a_history_rendered_afresh_still_carries_the_engine_ids_of_echoed_turns(proxy):
+    """After a compaction Claude Code starts a new root that keeps the last assistant turn verbatim:
+    no earlier call is a prefix, yet that turn must be the engine's ids, not a re-encoding. A fork
+    that copies only the tool_use blocks (its text dropped) is a different turn and is rendered."""
+    args = {"file_path": "a.txt", "old_string": "x", "new_string": "y"}
+    out1 = [*char_split_ids("Editing."), *text_ids("\n"), *tool_call_ids("Edit", args), TOK.im_end]
+    proxy.engines[0].script.extend([Step(out1), Step(), Step()])
+    c = client(proxy, "ex-new-root")
+    r1 = c.messages.create(model="m", max_tokens=1000, tools=[EDIT_TOOL], messages=[{"role": "user", "content": "fix"}])
+    use = r1.content[1]
+    echoed = {"role": "assistant", "content": [
+        {"type": "text", "text": "Editing."},
+        {"type": "tool_use", "id": use.id, "name": "Edit", "input": {"replace_all": False, **args}},
+    ]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "ok"}]}
+    new_root = [{"role": "user", "content": "This session is being continued from a previous conversation."}]
+    c.messages.create(model="m", max_tokens=1000, tools=[EDIT_TOOL], messages=new_root + [echoed, result])
+    fork = {"role": "assistant", "content": [echoed["content"][1]]}
+    c.messages.create(model="m", max_tokens=1000, tools=[EDIT_TOOL], messages=new_root + [fork, result])
+    rec1, rec2, rec3 = records(proxy)
+    assert rec2.prompt_ids[: len(rec1.prompt_ids)] != rec1.prompt_ids  # not a splice: rendered afresh
+    n = len(out1)
+    assert any(rec2.prompt_ids[i : i + n] == out1 for i in range(len(rec2.prompt_ids)))
+    assert not any(rec3.prompt_ids[i : i + n] == out1 for i in range(len(rec3.prompt_ids)))
+    assert "Editing." not in TOK.decode(rec3.prompt_ids)
+
+
 def test_sub_agents_splice_on_their_own_lines(proxy):
     c = client(proxy, "ex-sub")
     sub = {"x-claude-code-agent-id": "a0123456789abcdef"}

@@ -256,7 +256,7 @@ def test_seal_during_a_call_cancels_it_and_records_nothing(proxy):
     assert proxy.recv_all() == [wire.ExecutionSealed(execution_id="ex-mid", num_calls=0)]
 
 
-def test_harness_disconnect_aborts_the_engine_request_and_records_nothing(proxy):
+def test_harness_disconnect_aborts_the_engine_request_and_records_the_abort(proxy):
     proxy.engines[0].script.append(Step(hang=True))
     parts = urlsplit(proxy.url)
     body = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
@@ -269,11 +269,14 @@ def test_harness_disconnect_aborts_the_engine_request_and_records_nothing(proxy)
     wait_until(lambda: proxy.lt.call(proxy.engines[0].hanging.is_set), "the engine to hold the call")
     sock.close()
     wait_until(lambda: proxy.engines[0].aborted, "the engine request to be aborted")
-    assert proxy.engines[0].aborted == [proxy.engines[0].requests[0]["rid"]]
-    assert proxy.recv_all() == []
+    rid = proxy.engines[0].requests[0]["rid"]
+    assert proxy.engines[0].aborted == [rid]
+    [hung_up] = records(proxy.recv_all())
+    assert (hung_up.call_id, hung_up.finish_reason, hung_up.output_ids, hung_up.cell_id) == (rid, "abort", [], -1)
+    assert hung_up.prompt_ids == proxy.engines[0].requests[0]["input_ids"]
     # still serving
     proxy.client("ex-gone").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-    assert [r.call_index for r in records(proxy.recv_all())] == [0]
+    assert [r.call_index for r in records(proxy.recv_all())] == [1]
 
 
 # ---------------------------------------------------------------- bad requests

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, record
@@ -110,3 +112,14 @@ def test_token_ids_outside_int32_are_refused(bad: int) -> None:
     with pytest.raises(ValueError, match="token ids"):
         tree.insert(record("e", "c0", 0, [SYS, bad], [301]))
     assert tree.num_calls == 0
+
+
+def test_a_call_the_harness_hung_up_on_adds_no_path() -> None:
+    tree = TokenTree("e")
+    tree.insert(record("e", "c0", 0, PROMPT, [301, END]))
+    gone = dataclasses.replace(
+        record("e", "c1", 1, PROMPT + [301, END, TOOL, 401, ASSISTANT], []), finish_reason="abort"
+    )
+    assert tree.insert(gone) is False
+    assert (tree.num_calls, tree.num_hung_up_calls) == (1, 1)
+    assert [t.token_ids() for t in tree.trajectories()] == [PROMPT + [301, END]]

@@ -96,3 +96,74 @@ def test_still_healthy_and_serving_after_the_fuzz(proxy):
     status, got = post_raw(proxy.url, json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
                            token=TOKEN)
     assert status == 200 and got["choices"][0]["message"]["content"] == "ok"
+
+
+# ---------------------------------------------------------------- the Anthropic Messages API
+
+_block = st.one_of(_json, st.fixed_dictionaries({}, optional={
+    "type": st.one_of(st.sampled_from(["text", "thinking", "redacted_thinking", "tool_use", "tool_result", "image",
+                                       "tool_reference"]), _scalars),
+    "text": st.one_of(_text, _scalars), "thinking": st.one_of(_text, _scalars), "signature": _scalars,
+    "id": st.one_of(st.just("toolu_x"), _scalars), "name": st.one_of(st.just("Bash"), _scalars),
+    "input": st.one_of(st.just({"command": "ls"}), _json), "tool_use_id": _scalars,
+    "content": st.one_of(_text, st.lists(_json, max_size=2), _scalars), "is_error": _scalars,
+    "cache_control": st.one_of(st.just({"type": "ephemeral"}), _scalars),
+}))
+_anthropic_message = st.one_of(_json, st.fixed_dictionaries({}, optional={
+    "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), _scalars),
+    "content": st.one_of(_text, st.lists(_block, max_size=3), _scalars),
+    "output_config": _json,
+}))
+_messages_request = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just("claude-opus-5-5"), _scalars),
+    "max_tokens": st.one_of(st.integers(-2, 10**6), _scalars),
+    "messages": st.one_of(st.lists(_anthropic_message, min_size=1, max_size=5), _json),
+    "system": st.one_of(_text, st.lists(_block, max_size=3), _scalars),
+    "tools": st.one_of(st.just([{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}]),
+                       st.lists(st.fixed_dictionaries({}, optional={"name": _scalars, "input_schema": _json,
+                                                                    "defer_loading": _scalars}), max_size=2), _json),
+    "stream": st.one_of(st.booleans(), _scalars),
+    "temperature": st.one_of(st.floats(0, 1), _scalars),
+    "top_p": st.one_of(st.floats(0.01, 1), _scalars),
+    "thinking": _json, "context_management": _json, "output_config": _json, "metadata": _json,
+})
+_good_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _text}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": _text, "signature": st.just("")}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.just("toolu_x"), "name": st.just("Bash"),
+                           "input": st.dictionaries(st.text(max_size=5), _text, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("toolu_x"),
+                           "content": st.one_of(_text, st.lists(st.fixed_dictionaries(
+                               {"type": st.just("text"), "text": _text}), max_size=2))}),
+)
+_plausible_anthropic = st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 10**6), "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": st.one_of(_text, st.lists(_good_block, max_size=3))}), min_size=1, max_size=5)},
+    optional={"model": _text, "stream": st.booleans(), "system": st.one_of(_text, st.lists(st.fixed_dictionaries(
+        {"type": st.just("text"), "text": _text}), max_size=2)), "temperature": st.floats(0, 1)},
+)
+_ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "request_too_large", "overloaded_error",
+                          "not_found_error", "permission_error", "rate_limit_error", "api_error"}
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.one_of(st.binary(max_size=200), _json, _messages_request, _plausible_anthropic, _plausible_anthropic),
+       path=st.sampled_from(["/v1/messages", "/v1/messages?beta=true", "/v1/messages/count_tokens"]),
+       authorised=st.sampled_from([True] * 9 + [False]))
+def test_random_anthropic_requests_get_anthropic_errors_and_never_break_the_proxy(proxy, body, path, authorised):
+    token = TOKEN if authorised else "gyre.ex-fuzz." + "0" * 64
+    status, got = post_raw(proxy.url, _body(body), headers={"x-api-key": token}, path=path)
+    event(f"{path.split('?')[0]} HTTP {status}")
+    assert status < 500 or status == 529, (status, got)
+    if status != 200:
+        assert got["type"] == "error" and got["error"]["type"] in _ANTHROPIC_ERROR_TYPES, got
+        assert isinstance(got["error"]["message"], str) and got["error"]["message"]
+    if not authorised:
+        assert status == 401
+
+
+def test_anthropic_still_serving_after_the_fuzz(proxy):
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]}
+    status, got = post_raw(proxy.url, json.dumps(body).encode(), headers={"x-api-key": TOKEN}, path="/v1/messages")
+    assert status == 200 and got["content"] == [{"type": "text", "text": "ok"}]

@@ -9,7 +9,11 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE_CODE_STAMP   := .tools/claude-code/.installed-$(CLAUDE_CODE_VERSION)
 
-.PHONY: venv claude-code run test bench clean
+# mini-swe-agent (OpenAI API harness, via litellm) in its own venv: it pins its own openai/pydantic.
+MINI_SWE_AGENT_VERSION := 2.4.6
+MINI_STAMP := .tools/mini-swe-agent/.installed-$(MINI_SWE_AGENT_VERSION)
+
+.PHONY: venv claude-code mini-swe-agent run test bench clean
 
 venv: $(STAMP)
 
@@ -30,10 +34,18 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+mini-swe-agent: $(MINI_STAMP)
+
+$(MINI_STAMP):
+	test -x .tools/mini-swe-agent/bin/python || $(PYTHON) -m venv .tools/mini-swe-agent
+	rm -f .tools/mini-swe-agent/.installed-*
+	.tools/mini-swe-agent/bin/pip install --quiet mini-swe-agent==$(MINI_SWE_AGENT_VERSION)
+	touch $@
+
 run: venv
 	$(BIN)/gyre $(ARGS)
 
-test: venv claude-code
+test: venv claude-code mini-swe-agent
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv

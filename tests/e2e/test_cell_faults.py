@@ -1,0 +1,93 @@
+"""A satellite cellrunner SIGKILLed while it trains: the run loses neither the step nor its data.
+
+A short real run (real processes, sockets, HTTP). As soon as a satellite reports its switch to
+training, the test SIGKILLs that cellrunner. The controller must drop it (``cell_lost``), hand
+its microsteps back, and finish every step exactly once with consecutive weight versions, the
+core's final checkpoint at the last version.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+def kill_first_training_satellite(run_dir: Path, done: threading.Event, report: dict) -> None:
+    while not done.is_set():
+        switched = [m for m in metrics(run_dir) if m.get("kind") == "switch" and m["role"] == "train" and m["cell"] != 0]
+        if switched:
+            cell = switched[0]["cell"]
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = p.info["cmdline"] or []
+                if "cellrunner.main" in cmd and "--cell-id" in cmd and cmd[cmd.index("--cell-id") + 1] == str(cell):
+                    if any(str(run_dir) in c for c in cmd):
+                        p.send_signal(signal.SIGKILL)
+                        report["killed"] = cell
+                        report["at_version"] = max(
+                            [m["weight_version"] for m in metrics(run_dir) if m.get("kind") == "step"], default=0
+                        )
+                        return
+        time.sleep(0.02)
+
+
+@pytest.mark.e2e
+def test_satellite_killed_mid_step_loses_nothing(tmp_path):
+    runs = tmp_path / "runs"
+    argv = [
+        sys.executable, "-m", "controller.main", f"run.steps={STEPS}", f"run.runs_dir={runs}",
+        "workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
+        "workload.num_eval_tasks=4", "run.eval_at_start=false", "run.progress_every_s=5",
+    ]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run_dir = None
+    deadline = time.monotonic() + 30
+    while run_dir is None and time.monotonic() < deadline:
+        found = [p for p in runs.glob("*") if p.is_dir() and not p.is_symlink()] if runs.exists() else []
+        run_dir = found[0] if found else None
+        time.sleep(0.1)
+    assert run_dir is not None, "no run directory appeared"
+    done, report = threading.Event(), {}
+    t = threading.Thread(target=kill_first_training_satellite, args=(run_dir, done, report), daemon=True)
+    t.start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "killed" in report, "no satellite was caught training"
+    events = metrics(run_dir)
+    lost = [m for m in events if m.get("kind") == "cell_lost"]
+    assert [m["cell"] for m in lost] == [report["killed"]]
+    assert report["at_version"] < STEPS  # it died before the run's last step was applied
+    versions = [m["weight_version"] for m in events if m.get("kind") == "step"]
+    assert versions == list(range(1, STEPS + 1))  # every step applied once, none lost or repeated
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert (run_dir / f"checkpoints/v{STEPS}/model.safetensors").stat().st_size > 0

@@ -4,7 +4,8 @@ The cellrunner never decides its role. It obeys SwitchRole / LoadWeights / RunMi
 SendGrads / ApplyStep from the controller (ZeroMQ DEALER -> the controller's ROUTER), times every
 phase of a switch, and sends heartbeats. The core cell also owns the authoritative weights and
 optimizer state (its trainer's replica lives across switches), serves them to other cells, and
-takes the satellites' gradient sums on a PULL socket.
+takes the satellites' gradient sums on a PULL socket. Weights move over ZeroMQ or the Mooncake
+Transfer Engine (``transfer``); gradients always over ZeroMQ.
 
     python -m cellrunner.main --config-json F --cell-id N --controller tcp://H:P
 """
@@ -18,6 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import psutil
 import torch
@@ -27,7 +29,10 @@ from cellrunner.config import ModelConfig
 from cellrunner.engine import EmbeddedEngine, save_safetensors
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.trainer import EmbeddedTrainer
-from cellrunner.transfer import WeightServer, pull_weights, recv_grads, send_grads
+from cellrunner.transfer import (
+    WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller, recv_grads, send_grads,
+)
+from cellrunner.transfer_mooncake import MooncakeUnavailable, MooncakeWeightPublisher, MooncakeWeightPuller
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
@@ -49,9 +54,24 @@ class CellRunnerConfig:
     drain_timeout_s: float
     capacity_per_cell: int
     transfer_timeout_s: float
+    transfer: Literal["zmq", "mooncake"]
+    """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
     seed: int
     checkpoint_dir: str
     """The core writes its final weights here (safetensors, one folder per version) at shutdown."""
+
+
+def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
+    if cfg.transfer == "mooncake":
+        # TCP on one machine; an RDMA cluster passes protocol="rdma" (the Slurm issue's config).
+        return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol="tcp")
+    return WeightServer(ctx, f"tcp://{cfg.host}:0")
+
+
+def make_weight_puller(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPuller:
+    if cfg.transfer == "mooncake":
+        return MooncakeWeightPuller(ctx, host=cfg.host, protocol="tcp")
+    return ZmqWeightPuller(ctx)
 
 
 class CellRunner:
@@ -74,7 +94,8 @@ class CellRunner:
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
         self.core_grads_addr = ""
-        self.weight_server: WeightServer | None = None
+        self.weight_server: WeightPublisher | None = None
+        self.weight_puller: WeightPuller | None = None
         self.grads_in: zmq.Socket | None = None
         self.pending_grads: dict[int, list] = {}
         self.running = True
@@ -85,7 +106,7 @@ class CellRunner:
         self.send(wire.Hello(peer="cell", cell_id=self.cell_id, pid=os.getpid()))
         if self.is_core:
             self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
-            self.weight_server = WeightServer(self.ctx, f"tcp://{self.cfg.host}:0")
+            self.weight_server = make_weight_publisher(self.cfg, self.ctx)
             self.weight_server.publish(self.trainer.weights())
             self.weight_server.start()
             self.grads_in = self.ctx.socket(zmq.PULL)
@@ -95,6 +116,7 @@ class CellRunner:
             self.core_grads_addr = self.grads_in.getsockopt_string(zmq.LAST_ENDPOINT)
             initial = self.trainer.weights()
         else:
+            self.weight_puller = make_weight_puller(self.cfg, self.ctx)
             initial = flatten_params(build_model(self.cfg.model, self.vocab_size), 0)
         self.engine.start()
         self.engine.resume(initial)
@@ -262,7 +284,8 @@ class CellRunner:
         self.pending_grads.setdefault(header.step, []).append(grads)
 
     def fetch_weights(self, version: int) -> FlatWeights:
-        return pull_weights(self.ctx, self.core_weights_addr, version, self.cfg.transfer_timeout_s)
+        assert self.weight_puller is not None, "only satellites pull weights"
+        return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s)
 
     def current_version(self) -> int:
         if self.phase in ("serving", "draining"):
@@ -285,6 +308,8 @@ class CellRunner:
         self.engine.stop()
         if self.weight_server is not None:
             self.weight_server.close()
+        if self.weight_puller is not None:
+            self.weight_puller.close()
         self.ctl.close(linger=500)
 
 
@@ -300,7 +325,11 @@ def main() -> None:
     torch.set_num_threads(cfg.torch_threads)
     runner = CellRunner(cfg, args.cell_id, args.controller)
     signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
-    runner.run()
+    try:
+        runner.run()
+    except MooncakeUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback
+        log.error("cell %d: %s", args.cell_id, exc)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

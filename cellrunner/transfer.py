@@ -3,14 +3,16 @@
 The core serves its current weights to any cell that asks (satellites joining a step, serving
 cells loading a new version); satellites push gradient sums to the core. Frames are
 ``[header, raw bytes]``: the header is a validated wire message, the raw part is checked against
-it, and nothing is unpickled. The Mooncake Transfer Engine path (``transfer=mooncake``) plugs in
-behind ``pull_weights`` in the elastic-cells work.
+it, and nothing is unpickled. The Mooncake Transfer Engine path (``transfer=mooncake``,
+``cellrunner.transfer_mooncake``) sits behind the same two small interfaces below: a
+``WeightPublisher`` on the core and a ``WeightPuller`` on every other cell.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 import numpy as np
 import zmq
@@ -21,6 +23,29 @@ from controller.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class WeightPublisher(Protocol):
+    """The core's side: makes the newest weight version pullable at ``addr``."""
+
+    addr: str
+
+    def publish(self, weights: FlatWeights) -> None:
+        """Make ``weights`` the version pullers get; called from one thread only."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WeightPuller(Protocol):
+    """A satellite's side: fetches a weight version >= ``min_version`` from a publisher's ``addr``."""
+
+    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+        """Raise ``TransferError`` on timeout, a refusal or a malformed reply. The returned
+        ``data`` may be the puller's reused receive buffer: load it before the next ``pull``."""
+
+    def close(self) -> None: ...
 
 
 class WeightServer:
@@ -98,6 +123,19 @@ def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float
         raise TransferError(f"weights from {addr}: payload does not match header ({header.num_elements} floats)")
     data = np.frombuffer(parts[1].buffer, dtype="<f4").copy()
     return FlatWeights(header.weight_version, tuple(header.tensors), data)
+
+
+class ZmqWeightPuller:
+    """``pull_weights`` behind the ``WeightPuller`` interface; every pull gets a fresh array."""
+
+    def __init__(self, ctx: zmq.Context):
+        self._ctx = ctx
+
+    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+        return pull_weights(self._ctx, addr, min_version, timeout_s)
+
+    def close(self) -> None:
+        pass
 
 
 def send_grads(sock: zmq.Socket, *, cell_id: int, step: int, grads: np.ndarray) -> None:

@@ -31,11 +31,14 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    kind: Literal["local"]
+    kind: Literal["local", "slurm"]
+    """local: cells are child processes here; slurm: each cell is an srun step on its share of the
+    job's nodes (controller.slurm_launch), run from inside an allocation."""
     num_cells: int
     core_cell: int
     """The cell that owns the authoritative weights and optimizer state."""
     host: str
+    """Address every process binds to; ``auto`` (slurm): each process's own node address."""
     controller_port: int
     torch_threads: int
     heartbeat_interval_s: float
@@ -46,6 +49,9 @@ class ClusterConfig:
     """A cell turning to training lets in-flight calls finish this long, then aborts them (the
     proxy re-routes them)."""
     transfer_timeout_s: float
+    transfer: Literal["zmq", "mooncake"]
+    """How satellites pull weights from the core: `zmq` frames, or `mooncake` Transfer Engine reads
+    (TCP here, RDMA on clusters; needs the mooncake package, see cellrunner/transfer_mooncake.py)."""
 
     def check(self) -> None:
         if self.num_cells < 1:
@@ -90,4 +96,5 @@ class GyreConfig:
 
 def build_config(resolved: dict[str, Any]) -> GyreConfig:
     """`resolved` is `OmegaConf.to_container(cfg, resolve=True)` without the `hydra` key."""
-    return build(GyreConfig, {k: v for k, v in resolved.items() if k != "hydra"})
+    # `launcher` says how the run starts (controller/submit.py), not what it is: not part of GyreConfig.
+    return build(GyreConfig, {k: v for k, v in resolved.items() if k not in ("hydra", "launcher")})

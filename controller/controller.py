@@ -23,9 +23,10 @@ from controller import wire
 from controller.cells import Cell, CellRegistry
 from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager
-from controller.processes import StartError, log_tail, spawn, stop, wait_ready
+from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
 from controller.report import MetricsSink
 from controller.scheduler import SchedulerView, decide
+from controller.slurm_launch import SlurmCells, resolve_host
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
 from workloads.tasks import make_tasks
@@ -61,11 +62,16 @@ class Controller:
         self.cfg = cfg
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
+        # Where cells run: one explicit choice per cluster.kind (the node list is read here, so a
+        # bad allocation fails before any process starts).
+        self.cell_launcher: CellLauncher = (
+            SlurmCells.from_env(cfg.cluster.num_cells) if cfg.cluster.kind == "slurm" else LocalCells())
+        self.host = resolve_host(cfg.cluster.host)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(f"tcp://{cfg.cluster.host}:{cfg.cluster.controller_port}")
+        self.sock.bind(f"tcp://{self.host}:{cfg.cluster.controller_port}")
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cells = CellRegistry(cfg.cluster.num_cells, cfg.cluster.core_cell)
         self.steps = StepCoordinator(core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps)
@@ -96,7 +102,7 @@ class Controller:
         proc_ready = self._start_child(
             "processor", "trajectory.main",
             {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", f"tcp://{c.cluster.host}:0", "--log-dir", str(self.run_dir / "processor")],
+            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.run_dir / "processor")],
         )
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
@@ -113,13 +119,14 @@ class Controller:
             "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
             "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
             "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
+            "transfer": c.cluster.transfer,
             "seed": c.run.seed, "checkpoint_dir": str(self.run_dir / "checkpoints"),
         }
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
-            cell.proc = spawn(f"cell{cell.cell_id}", "cellrunner.main",
-                              ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr],
-                              self.log_dir)
+            cell.proc = self.cell_launcher.launch(
+                cell.cell_id, ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr],
+                self.log_dir)
         deadline = time.monotonic() + c.cluster.start_timeout_s
         # Grades and routing tables go to peers by name: wait for every Hello, not just the cells.
         while (any(cell.phase == "starting" for cell in self.cells.cells.values())

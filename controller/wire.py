@@ -408,6 +408,66 @@ class GradsHeader(Message):
     num_elements: int
 
 
+# ---------------------------------------------------------------- Mooncake weight pull (cellrunner.transfer_mooncake)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsOffer(Message):
+    """Where ``weight_version`` lies: ``num_elements`` float32 at ``remote_addr`` in the core's
+    Mooncake segment ``session_id`` (``host:rpc_port``), slot ``slot`` at ``generation``."""
+
+    TAG: ClassVar[str] = "weights_offer"
+    weight_version: int
+    num_elements: int
+    tensors: list[TensorSpec]
+    session_id: str
+    remote_addr: int
+    slot: int
+    generation: int
+
+    def check(self) -> None:
+        if self.num_elements < 1:
+            raise ValueError(f"num_elements: want >= 1, got {self.num_elements}")
+        if self.remote_addr <= 0:
+            raise ValueError(f"remote_addr: want a positive address, got {self.remote_addr}")
+        if self.slot not in (0, 1):
+            raise ValueError(f"slot: want 0 or 1, got {self.slot}")
+        if self.generation < 1:
+            raise ValueError(f"generation: want >= 1, got {self.generation}")
+        host, _, port = self.session_id.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"session_id: want host:port, got {self.session_id!r}")
+        offset = 0  # the manifest must tile the buffer exactly, or load_flat would read garbage
+        for spec in self.tensors:
+            if spec.offset != offset:
+                raise ValueError(f"tensors: {spec.name} starts at {spec.offset}, want {offset}")
+            offset += math.prod(spec.shape)
+        if offset != self.num_elements:
+            raise ValueError(f"tensors: cover {offset} elements, num_elements says {self.num_elements}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckSlot(Message):
+    """After a read: was ``slot`` left alone since it was offered at ``generation``?"""
+
+    TAG: ClassVar[str] = "check_slot"
+    slot: int
+    generation: int
+
+    def check(self) -> None:
+        if self.slot not in (0, 1):
+            raise ValueError(f"slot: want 0 or 1, got {self.slot}")
+        if self.generation < 1:
+            raise ValueError(f"generation: want >= 1, got {self.generation}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotChecked(Message):
+    TAG: ClassVar[str] = "slot_checked"
+    unchanged: bool
+
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TAG: cls
     for cls in (
@@ -415,7 +475,7 @@ MESSAGES: dict[str, type[Message]] = {
         WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, RunMicrostep,
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionSealed, PullWeights, TensorSpec,
-        WeightsHeader, GradsHeader,
+        WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked,
     )
 }
 

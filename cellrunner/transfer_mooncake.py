@@ -1,0 +1,331 @@
+"""Weights core -> satellites through the Mooncake Transfer Engine (``transfer=mooncake``).
+
+The core registers its weight buffers with Mooncake once and copies each new version into them;
+a satellite registers one receive buffer once and reads the core's memory into it (TCP here,
+RDMA on clusters). Only a small control exchange goes over ZeroMQ (a ROUTER on the core, a
+DEALER per pull), as validated MessagePack frames:
+
+    puller -> PullWeights{min_version}
+    core   -> WeightsOffer{version, manifest, Mooncake session id, address, slot, generation}
+    puller    reads the bytes with Mooncake (batched chunks)
+    puller -> CheckSlot{slot, generation}
+    core   -> SlotChecked{unchanged}
+
+Torn reads: the core keeps two slots and writes a new version into the one not offered last,
+bumping that slot's generation *before* it writes. A read is kept only if its slot's generation
+is unchanged and no write is running when the read has finished; otherwise the puller asks
+again (a seqlock whose check runs over the control socket). The satellite never trusts bytes a
+write could have touched, and the core never waits for a slow reader.
+
+Mooncake runs in P2PHANDSHAKE mode: no metadata server; a peer is named ``host:rpc_port``.
+The API calls used are the ones verified on this stack (``shared/notes/cpu-stack.md`` §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import zmq
+
+from cellrunner.model import FlatWeights
+from cellrunner.transfer import TransferError
+from controller.wire import (
+    CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec, WeightsOffer, decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "transfer=mooncake needs the Mooncake Transfer Engine: on CPU hosts "
+    "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` plus "
+    "`apt-get install -y libibverbs1 ibverbs-providers`; on CUDA hosts `pip install mooncake-transfer-engine`"
+)
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+"""One pull is cut into reads of this size, all submitted at once (``python -m bench.transfer``
+compares sizes; 4-64 MiB measured alike on loopback)."""
+POLL_INTERVAL_S = 0.001
+"""Sleep between completion checks. Mooncake's own sync calls spin on the status without a
+pause, taking a whole core from its I/O threads: on 2 cores that cost ~40% of the throughput."""
+MAX_TORN_RETRIES = 8
+"""Reads thrown away because the core rewrote the slot meanwhile, before a pull gives up. The
+core publishes once a step, so more than one retry in a row means the core is stuck writing."""
+MAX_CONTROL_BYTES = 16 * 1024 * 1024
+MooncakeProtocol = Literal["tcp", "rdma"]
+
+
+class MooncakeUnavailable(RuntimeError):
+    """``transfer=mooncake`` was chosen but the ``mooncake`` package cannot be imported."""
+
+
+# ---------------------------------------------------------------- control messages
+
+
+def decode_control(frame: bytes, *, expect: tuple[type[Message], ...]) -> Message:
+    """Decode one control frame (``controller.wire``) into one of ``expect``; ProtocolError otherwise."""
+    if len(frame) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"frame: {len(frame)} bytes is over the {MAX_CONTROL_BYTES} limit")
+    return decode(frame, expect=expect)
+
+
+# ---------------------------------------------------------------- the engine and its buffers
+
+
+def transfer_engine_class() -> Any:
+    """``mooncake.engine.TransferEngine``, or MooncakeUnavailable saying what to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:  # also a missing libibverbs.so.1, which surfaces as ImportError
+        raise MooncakeUnavailable(f"{INSTALL_HINT} (import failed: {exc})") from None
+    return TransferEngine
+
+
+def start_engine(host: str, protocol: MooncakeProtocol) -> tuple[Any, str]:
+    """A P2P-handshake engine listening on ``host``; returns it and its session id."""
+    engine = transfer_engine_class()()
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    if rc != 0:
+        raise TransferError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+    return engine, f"{host}:{engine.get_rpc_port()}"
+
+
+class RegisteredBuffer:
+    """A float32 array registered with one engine until ``release``."""
+
+    def __init__(self, engine: Any, num_elements: int):
+        self.data = np.empty(num_elements, dtype="<f4")
+        # Touch every page now: first-touch faults would otherwise land inside the first transfer.
+        self.data.fill(0.0)
+        self.addr = int(self.data.ctypes.data)
+        rc = engine.register_memory(self.addr, self.data.nbytes)
+        if rc != 0:
+            raise TransferError(f"mooncake: register_memory of {self.data.nbytes} bytes returned {rc}")
+
+    def release(self, engine: Any) -> None:
+        engine.unregister_memory(self.addr)
+
+
+# ---------------------------------------------------------------- the core's side
+
+
+@dataclass
+class _Slot:
+    buffer: RegisteredBuffer
+    generation: int = 0  # bumped before every write into the slot
+    writing: bool = False
+    version: int = -1
+    specs: tuple[TensorSpec, ...] = ()
+
+
+class MooncakeWeightPublisher:
+    """The core's ``WeightPublisher``: two registered slots, a control ROUTER on its own thread."""
+
+    def __init__(self, ctx: zmq.Context, bind_addr: str, *, host: str, protocol: MooncakeProtocol = "tcp"):
+        self._engine, self.session_id = start_engine(host, protocol)
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind_addr)
+        self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._slots: list[_Slot] = []
+        self._latest: int | None = None  # the slot offered to pullers
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="mooncake-weights", daemon=True)
+
+    def publish(self, weights: FlatWeights) -> None:
+        """Copy ``weights`` into the slot not offered now, then offer it. One thread only."""
+        target = 0 if self._latest is None else 1 - self._latest
+        slot = self._slot(target, int(weights.data.size))
+        with self._lock:
+            slot.generation += 1  # before the first byte changes: readers of the old bytes fail their check
+            slot.writing = True
+        np.copyto(slot.buffer.data, weights.data, casting="no")
+        with self._lock:
+            slot.writing = False
+            slot.version, slot.specs = weights.version, weights.specs
+            self._latest = target
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        else:
+            self._sock.close(0)
+        for slot in self._slots:
+            slot.buffer.release(self._engine)
+        self._slots.clear()
+        self._engine = None  # the engine's own threads and ports go with the object
+
+    def _slot(self, index: int, num_elements: int) -> _Slot:
+        held = self._slots[0].buffer.data.size if self._slots else num_elements
+        if held != num_elements:
+            raise ValueError(f"publish: {num_elements} elements, the registered slots hold {held}")
+        if index == len(self._slots):  # registered once, on the first version that needs it
+            self._slots.append(_Slot(RegisteredBuffer(self._engine, num_elements)))
+        return self._slots[index]
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            parts = self._sock.recv_multipart()
+            if len(parts) != 2:
+                log.warning("mooncake publisher: rejected a request of %d frames", len(parts))
+                self._reply(parts[0], ErrorReply(where="mooncake_weights", message="want one frame per request"))
+                continue
+            self._reply(parts[0], self._answer(parts[1]))
+        self._sock.close(0)
+
+    def _answer(self, frame: bytes) -> Message:
+        try:
+            req = decode_control(frame, expect=(PullWeights, CheckSlot))
+        except ProtocolError as exc:
+            log.warning("mooncake publisher: rejected request: %s", exc)
+            return ErrorReply(where="mooncake_weights", message=str(exc))
+        with self._lock:
+            if isinstance(req, CheckSlot):
+                if req.slot >= len(self._slots):
+                    return ErrorReply(where="check_slot", message=f"slot {req.slot} was never offered")
+                slot = self._slots[req.slot]
+                return SlotChecked(unchanged=slot.generation == req.generation and not slot.writing)
+            if self._latest is None or self._slots[self._latest].version < req.min_version:
+                have = -1 if self._latest is None else self._slots[self._latest].version
+                return ErrorReply(where="pull_weights", message=f"have version {have}, asked for >= {req.min_version}")
+            slot = self._slots[self._latest]
+            return WeightsOffer(
+                weight_version=slot.version, num_elements=int(slot.buffer.data.size), tensors=list(slot.specs),
+                session_id=self.session_id, remote_addr=slot.buffer.addr, slot=self._latest,
+                generation=slot.generation,
+            )
+
+    def _reply(self, ident: bytes, msg: Message) -> None:
+        self._sock.send_multipart([ident, encode(msg)])
+
+
+# ---------------------------------------------------------------- a satellite's side
+
+
+class MooncakeWeightPuller:
+    """A satellite's ``WeightPuller``: one registered receive buffer, reused by every pull.
+
+    The FlatWeights a pull returns is a view of that buffer: load it before the next pull.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context, *, host: str, protocol: MooncakeProtocol = "tcp",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_torn_retries: int = MAX_TORN_RETRIES,
+    ):
+        if chunk_bytes < 4096 or chunk_bytes % 4:
+            raise ValueError(f"chunk_bytes: want a multiple of 4 >= 4096, got {chunk_bytes}")
+        self._ctx = ctx
+        self._engine, self.session_id = start_engine(host, protocol)
+        self.chunk_bytes = chunk_bytes
+        """Size of each read in a pull's batch; may be changed between pulls (bench.transfer does)."""
+        self._max_torn_retries = max_torn_retries
+        self._buffer: RegisteredBuffer | None = None
+        # Buffers a timed-out read may still be writing into: kept alive, never reused.
+        self._abandoned: list[RegisteredBuffer] = []
+        self.num_torn = 0
+        """Reads thrown away because the core rewrote their slot meanwhile (for tests and logs)."""
+
+    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+        if self._engine is None:
+            raise TransferError("mooncake puller: pull after close")
+        deadline = time.monotonic() + timeout_s
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        try:
+            for _ in range(self._max_torn_retries + 1):
+                offer = self._ask(sock, addr, PullWeights(min_version=min_version), WeightsOffer, deadline)
+                if offer.weight_version < min_version:
+                    raise TransferError(f"weights from {addr}: offered version {offer.weight_version} < {min_version}")
+                buffer = self._receive_buffer(offer.num_elements)
+                self._read(offer, buffer, deadline)
+                check = CheckSlot(slot=offer.slot, generation=offer.generation)
+                if self._ask(sock, addr, check, SlotChecked, deadline).unchanged:
+                    return FlatWeights(offer.weight_version, tuple(offer.tensors), buffer.data)
+                self.num_torn += 1
+                log.info("mooncake pull: version %d was rewritten during the read; asking again", offer.weight_version)
+        finally:
+            sock.close(0)
+        raise TransferError(f"weights from {addr}: {self._max_torn_retries + 1} reads in a row overlapped a publish")
+
+    def close(self) -> None:
+        self._drop_buffer()
+        self._engine = None  # the engine's own threads and ports go with the object
+
+    def _ask(self, sock: zmq.Socket, addr: str, msg: Message, want: type[Message], deadline: float) -> Any:
+        sock.send(encode(msg))
+        if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            raise TransferError(f"no answer to {msg.TAG} from {addr} in time")
+        parts = sock.recv_multipart()
+        if len(parts) != 1:
+            raise TransferError(f"bad reply from {addr}: {len(parts)} frames, want 1")
+        try:
+            reply = decode_control(parts[0], expect=(want, ErrorReply))
+        except ProtocolError as exc:
+            raise TransferError(f"bad reply from {addr}: {exc}") from None
+        if isinstance(reply, ErrorReply):
+            raise TransferError(f"weight publisher {addr}: {reply.message}")
+        return reply
+
+    def _receive_buffer(self, num_elements: int) -> RegisteredBuffer:
+        if self._buffer is None or self._buffer.data.size != num_elements:
+            self._drop_buffer()  # only when the model changes size: registration is once per size
+            self._buffer = RegisteredBuffer(self._engine, num_elements)
+        return self._buffer
+
+    def _drop_buffer(self) -> None:
+        if self._buffer is not None:
+            self._buffer.release(self._engine)
+            self._buffer = None
+
+    def _read(self, offer: WeightsOffer, buffer: RegisteredBuffer, deadline: float) -> None:
+        """Submit every chunk as its own asynchronous read, then wait for all of them.
+
+        The chunks spread over Mooncake's connections to the peer and run at once; the wait
+        polls each chunk's status with a short sleep in between (see POLL_INTERVAL_S).
+        """
+        nbytes = offer.num_elements * 4
+        pending = []
+        for start in range(0, nbytes, self.chunk_bytes):
+            length = min(self.chunk_bytes, nbytes - start)
+            batch = self._engine.batch_transfer_async_read(
+                offer.session_id, [buffer.addr + start], [offer.remote_addr + start], [length],
+            )
+            if batch in (0, 2**64 - 1):  # Mooncake's two ways of saying the submit failed
+                self._abandon(buffer)
+                raise TransferError(f"mooncake: could not submit a read from {offer.session_id}")
+            pending.append(batch)
+        while True:
+            still = []
+            for batch in pending:
+                rc = self._engine.transfer_check_status(batch)  # 1 done, 0 running, <0 failed
+                if rc < 0:
+                    self._abandon(buffer)
+                    raise TransferError(f"mooncake read of {nbytes} bytes from {offer.session_id} failed (rc {rc})")
+                if rc == 0:
+                    still.append(batch)
+            pending = still
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                self._abandon(buffer)
+                raise TransferError(f"mooncake read from {offer.session_id}: {len(pending)} chunks unfinished in time")
+            time.sleep(POLL_INTERVAL_S)
+
+    def _abandon(self, buffer: RegisteredBuffer) -> None:
+        """Reads of this buffer may still land: never hand it out again, never free it."""
+        self._abandoned.append(buffer)
+        self._buffer = None

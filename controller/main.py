@@ -2,6 +2,7 @@
 
     gyre                                  # embedded default: 4 local cells, tiny model, bundled harness
     gyre scheduler=async run.steps=10     # any key=value or group=option override
+    gyre launcher=submitit cluster=slurm  # the same run as a Slurm job, submitted through submitit
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from controller.config import GyreConfig, build_config
 from controller.controller import Controller, RunFailed, make_run_dir
 from controller.processes import StartError
 from controller.report import plot_rewards, plot_roles, write_markdown, write_summary
+from controller.submit import SubmititLauncherConfig, build_launcher, submit_run
 from controller.typed_config import ConfigError
 
 log = logging.getLogger("gyre")
@@ -61,11 +64,15 @@ def run(cfg: GyreConfig) -> dict:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(raw: DictConfig) -> None:
     resolved = OmegaConf.to_container(raw, resolve=True)
+    launcher_raw = resolved.pop("launcher", None)  # how the run starts, not part of it: controller/submit.py
     try:
         cfg = build_config(resolved)
+        launcher = build_launcher(launcher_raw)
     except ConfigError as exc:
         print(f"gyre: bad config: {exc}", file=sys.stderr)
         sys.exit(2)
+    if isinstance(launcher, SubmititLauncherConfig):
+        sys.exit(submit_run(launcher, cfg, list(HydraConfig.get().overrides.task)))
     try:
         run(cfg)
     except (StartError, RunFailed) as exc:

@@ -1,7 +1,8 @@
 """Start and supervise the local child processes: processor, proxy, cellrunners.
 
 Each child logs to ``runs/<id>/logs/<name>.log`` and announces readiness by writing a small JSON
-file; a child that dies before that fails the start with the tail of its log.
+file; a child that dies before that fails the start with the tail of its log. Cells start through
+a ``CellLauncher``: ``LocalCells`` here, ``controller.slurm_launch.SlurmCells`` as srun steps.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +33,20 @@ def spawn(name: str, module: str, args: list[str], log_dir: Path) -> subprocess.
     )
     out.close()
     return proc
+
+
+class CellLauncher(Protocol):
+    def launch(self, cell_id: int, cell_args: list[str], log_dir: Path) -> subprocess.Popen:
+        """Start cell ``cell_id``'s cellrunner with ``cell_args``, logging to ``log_dir/cell<id>.log``.
+        The result is polled, signalled and killed like any child; its exit drops the cell."""
+        ...
+
+
+class LocalCells:
+    """Every cell is a child process on this machine (``cluster.kind: local``)."""
+
+    def launch(self, cell_id: int, cell_args: list[str], log_dir: Path) -> subprocess.Popen:
+        return spawn(f"cell{cell_id}", "cellrunner.main", cell_args, log_dir)
 
 
 def log_tail(log_dir: Path, name: str, num_lines: int = 20) -> str:

@@ -1,0 +1,115 @@
+"""The node list -> cells split, the srun command, the launcher config and the sbatch scripts.
+
+Pure parts are checked directly; the parts that talk to Slurm (`scontrol show hostnames`,
+`sbatch --test-only`, a step's membership check under a real `srun`) run on the local cluster.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.processes import StartError
+from controller.slurm_launch import SlurmCells, split_cells, srun_argv
+from controller.submit import LocalLauncherConfig, SubmititLauncherConfig, build_launcher, job_overrides
+from controller.typed_config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def names(n: int, prefix: str = "gpu") -> list[str]:
+    return [f"{prefix}{i:03d}" for i in range(n)]
+
+
+def test_split_gives_equal_groups_of_consecutive_nodes():
+    assert split_cells([f"n{i}" for i in range(1, 9)], 4) == [["n1", "n2"], ["n3", "n4"], ["n5", "n6"], ["n7", "n8"]]
+    cells = split_cells(names(192), 4)  # the 2.4T recipe
+    assert [len(c) for c in cells] == [48] * 4
+    assert cells[0][0] == "gpu000" and cells[3][-1] == "gpu191"
+    assert sum(cells, []) == names(192)
+
+
+def test_split_leaves_the_remainder_idle_and_refuses_too_few_nodes():
+    cells = split_cells(names(30), 4)  # gyre_122b.sbatch may get any of 24..32 nodes
+    assert [len(c) for c in cells] == [7] * 4 and sum(cells, []) == names(28)
+    with pytest.raises(ValueError, match="cannot hold 4 cells"):
+        split_cells(names(3), 4)
+
+
+def test_srun_command_holds_exactly_the_cells_nodes():
+    argv = srun_argv(job_id="42", cell_id=2, nodes=["n5", "n6"], python="/py", cell_args=["--cell-id", "2"],
+                     extra_args=["--container-image=x.sqsh"])
+    assert argv[0] == "srun"
+    for flag in ("--jobid=42", "--job-name=gyre-cell2", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                 "--nodelist=n5,n6", "--overlap", "--kill-on-bad-exit=1"):
+        assert flag in argv, flag
+    assert "--exact" not in argv  # a cell gets every CPU/GPU of its nodes
+    py = argv.index("/py")
+    assert argv.index("--container-image=x.sqsh") < py  # site flags go to srun, not to Python
+    assert argv[py:] == ["/py", "-m", "controller.slurm_launch", "--cell-nodes", "n5,n6", "--", "--cell-id", "2"]
+
+
+def test_outside_an_allocation_is_a_clear_error():
+    with pytest.raises(StartError, match="SLURM_JOB_NODELIST"):
+        SlurmCells.from_env(4, env={})
+
+
+def test_cells_from_a_real_node_list(slurm_env, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])  # scontrol reads it
+    cells = SlurmCells.from_env(4, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-8]",
+                                        "GYRE_SRUN_ARGS": "--mpi=none '--comment=a b'"})
+    assert cells.cells == (("n1", "n2"), ("n3", "n4"), ("n5", "n6"), ("n7", "n8"))
+    assert cells.srun_extra_args == ("--mpi=none", "--comment=a b")
+    with pytest.raises(StartError, match="cannot hold 4 cells"):
+        SlurmCells.from_env(4, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]"})
+
+
+def test_a_step_on_other_nodes_than_its_cell_refuses_to_start(slurm_env):
+    """Membership comes from SLURM_STEP_NODELIST: a step placed on n5 that was meant for n6 stops."""
+    out = subprocess.run(["srun", "--nodes=1", "--ntasks=1", "--nodelist=n5", sys.executable, "-m",
+                          "controller.slurm_launch", "--cell-nodes", "n6", "--", "--cell-id", "0"],
+                         cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "this step runs on ['n5'], the cell was given ['n6']" in out.stderr + out.stdout
+
+
+def test_launcher_config():
+    assert build_launcher(None) == LocalLauncherConfig(kind="local")
+    assert build_launcher(yaml.safe_load((ROOT / "conf/launcher/local.yaml").read_text())).kind == "local"
+    sub = build_launcher(yaml.safe_load((ROOT / "conf/launcher/submitit.yaml").read_text()))
+    assert isinstance(sub, SubmititLauncherConfig) and sub.nodes_per_cell == 1 and sub.wait
+    with pytest.raises(ConfigError, match="launcher.kind"):
+        build_launcher({"kind": "ray"})
+    with pytest.raises(ConfigError, match="unknown key"):
+        build_launcher({**yaml.safe_load((ROOT / "conf/launcher/submitit.yaml").read_text()), "gpus": 1})
+
+
+def test_the_job_gets_the_same_overrides_minus_the_launcher():
+    got = job_overrides(["cluster=slurm", "+launcher=submitit", "launcher.nodes_per_cell=2", "run.steps=3",
+                         "run.runs_dir=runs"], "/abs/runs")
+    assert got == ["cluster=slurm", "run.steps=3", "run.runs_dir=/abs/runs"]
+
+
+@pytest.mark.parametrize("script,nodes", [("gyre_local.sbatch", "8"), ("gyre_2p4t.sbatch", "192"),
+                                          ("gyre_122b.sbatch", "24-32")])
+def test_sbatch_scripts_pass_overrides_through(script, nodes, tmp_path):
+    text = (ROOT / "slurm" / script).read_text()
+    assert f"#SBATCH --nodes={nodes}\n" in text
+    env = {**os.environ, "GYRE_PYTHON": "echo", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "1",
+           "SLURM_JOB_NODELIST": "n[1-8]", "SLURM_JOB_NUM_NODES": "8"}
+    out = subprocess.run(["bash", str(ROOT / "slurm" / script), "scheduler=async", "run.steps=7"],
+                         env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.strip().splitlines()[-1].split()
+    assert command[:2] == ["-m", "controller.main"] and "cluster=slurm" in command
+    assert "cluster.num_cells=4" in command
+    assert command[-2:] == ["scheduler=async", "run.steps=7"]
+
+
+def test_local_sbatch_header_is_accepted_by_slurm(slurm_env):
+    out = subprocess.run(["sbatch", "--test-only", str(ROOT / "slurm/gyre_local.sbatch")], cwd=ROOT,
+                         env=slurm_env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "to start at" in out.stderr, out.stderr

@@ -13,7 +13,12 @@ CLAUDE_CODE_STAMP   := .tools/claude-code/.installed-$(CLAUDE_CODE_VERSION)
 MINI_SWE_AGENT_VERSION := 2.4.6
 MINI_STAMP := .tools/mini-swe-agent/.installed-$(MINI_SWE_AGENT_VERSION)
 
-.PHONY: venv claude-code mini-swe-agent run test bench clean
+# LiteLLM's proxy, bench.proxy's peer, in its own venv (it pins its own openai/pydantic). 1.107.0 was
+# a compromised release; 1.106.12 is the newest whose [proxy] extra resolves from the registry here.
+LITELLM_VERSION := 1.106.12
+LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
+
+.PHONY: venv claude-code mini-swe-agent litellm run test bench clean
 
 venv: $(STAMP)
 
@@ -30,7 +35,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 is pinned in pyproject: the CPU wheel these machines carry, not a CUDA build.
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,cpu]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -42,18 +47,29 @@ $(MINI_STAMP):
 	.tools/mini-swe-agent/bin/pip install --quiet mini-swe-agent==$(MINI_SWE_AGENT_VERSION)
 	touch $@
 
+litellm: $(LITELLM_STAMP)
+
+$(LITELLM_STAMP):
+	test -x .venv-litellm/bin/python || $(PYTHON) -m venv .venv-litellm
+	rm -f .venv-litellm/.installed-*
+	.venv-litellm/bin/pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
+	touch $@
+
 run: venv
 	$(BIN)/gyre $(ARGS)
 
 test: venv claude-code mini-swe-agent
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
-bench: venv
+bench: venv litellm
 	$(BIN)/python -m bench.learnability --vocab-bench
 	$(BIN)/python -m bench.learnability
 	$(BIN)/python -m bench.trajectory_cap
 	$(BIN)/python -m bench.tree_packing
 	$(BIN)/python -m bench.processor
+	$(BIN)/python -m bench.proxy
+	$(BIN)/python -m bench.transfer
+	$(BIN)/python -m bench.switch
 
 clean:
 	rm -rf runs outputs .pytest_cache

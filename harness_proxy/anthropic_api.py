@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness_proxy.openai_api import ApiError, ChatRequest, _number
+from harness_proxy.openai_api import ApiError, ChatRequest, _number, load_json_object
 from harness_proxy.template import EXACT_IDS_KEY, ParsedOutput, content_text
 
 SUMMARY_MARKER = "Your task is to create a detailed summary"
@@ -216,14 +216,7 @@ def lineage_of(body: dict[str, Any], agent_id: str) -> str:
     return f"{base}-summary" if _is_summary(body.get("messages") or []) else base
 
 
-def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body: want a JSON object")
-    return body
+_load = load_json_object
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -393,7 +386,9 @@ def message_body(
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    # ASCII-escaped: a string the request carried (the model name) may hold a lone surrogate,
+    # which has no UTF-8 encoding; escaped it is valid JSON and cannot break a started stream.
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 def stream_events(body: dict[str, Any]) -> list[bytes]:

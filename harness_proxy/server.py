@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -624,7 +625,11 @@ class ProxyServer:
             "return_logprob": True, "rid": call.call_id,
         }
         try:
-            async with self._http.post(f"{route.url}/generate", json=payload) as resp:
+            # orjson: a 100k-id prompt is most of the proxy's time when json.dumps encodes it.
+            body = orjson.dumps(payload)
+            async with self._http.post(
+                f"{route.url}/generate", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
                 if resp.status == 400:
                     text = (await resp.text())[:500]
                     raise ApiError(400, f"the engine refused the request: {text}", code="engine_rejected")

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 import zmq
 
@@ -615,8 +616,8 @@ def stage_times(tok: QwenTokenizer, filler: Filler, *, seed: int, repeats: int) 
         marks.append(("parse_request", time.perf_counter()))
         plan = store.build_prompt("stages", "", chat.messages, chat.tools)
         marks.append(("build_prompt", time.perf_counter()))
-        json.dumps({"input_ids": plan.prompt_ids, "sampling_params": {"max_new_tokens": 256}, "return_logprob": True,
-                    "rid": "x"}).encode()  # what aiohttp's json= does with the engine request
+        orjson.dumps({"input_ids": plan.prompt_ids, "sampling_params": {"max_new_tokens": 256},
+                      "return_logprob": True, "rid": "x"})  # as ProxyServer._engine_generate encodes it
         marks.append(("encode_engine_request", time.perf_counter()))
         result = parse_generate_response(json.loads(answer), route)
         marks.append(("parse_engine_answer", time.perf_counter()))

@@ -26,7 +26,8 @@ import torch
 import zmq
 
 from cellrunner.config import ModelConfig
-from cellrunner.engine import EmbeddedEngine, save_safetensors
+from cellrunner.checkpoint import latest_checkpoint
+from cellrunner.engine import EmbeddedEngine
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import (
@@ -58,7 +59,12 @@ class CellRunnerConfig:
     """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
     seed: int
     checkpoint_dir: str
-    """The core writes its final weights here (safetensors, one folder per version) at shutdown."""
+    """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) every
+    ``checkpoint_every`` steps and at shutdown."""
+    checkpoint_every: int
+    """0: only at shutdown."""
+    resume: bool
+    """The core starts from the newest complete checkpoint in ``checkpoint_dir`` when there is one."""
 
 
 def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
@@ -105,7 +111,12 @@ class CellRunner:
     def setup(self) -> None:
         self.send(wire.Hello(peer="cell", cell_id=self.cell_id, pid=os.getpid()))
         if self.is_core:
-            self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
+            ckpt = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.resume else None
+            if ckpt is not None:  # a requeued job: weights and optimizer state as they were saved
+                self.trainer.restore(ckpt)
+                log.info("core: resumed from %s (version %d)", ckpt.path, ckpt.version)
+            else:
+                self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
             self.weight_server = make_weight_publisher(self.cfg, self.ctx)
             self.weight_server.publish(self.trainer.weights())
             self.weight_server.start()
@@ -123,7 +134,7 @@ class CellRunner:
         self.phase = "serving"
         self.send(wire.CellReady(
             cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
-            grads_addr=self.core_grads_addr, is_core=self.is_core,
+            grads_addr=self.core_grads_addr, is_core=self.is_core, weight_version=initial.version,
         ))
 
     # -- loop --------------------------------------------------------------------------------
@@ -264,6 +275,9 @@ class CellRunner:
         grads = self.pending_grads.pop(msg.step, [])
         weights, norm = self.trainer.apply(grads, msg.num_executions)
         self.weight_server.publish(weights)
+        every = self.cfg.checkpoint_every
+        if every and weights.version % every == 0:
+            log.info("core: checkpoint %s", self.trainer.save_checkpoint(self.cfg.checkpoint_dir))
         self.send(wire.StepApplied(
             cell_id=self.cell_id, step=msg.step, weight_version=weights.version,
             grad_norm=norm, apply_s=time.perf_counter() - t0,
@@ -303,8 +317,8 @@ class CellRunner:
 
     def shutdown(self) -> None:
         if self.is_core and self.trainer.model is not None:
-            path = save_safetensors(self.trainer.weights(), os.path.join(self.cfg.checkpoint_dir, f"v{self.trainer.version}"))
-            log.info("core: saved weights version %d to %s", self.trainer.version, path)
+            path = self.trainer.save_checkpoint(self.cfg.checkpoint_dir)
+            log.info("core: saved weights and optimizer state of version %d to %s", self.trainer.version, path)
         self.engine.stop()
         if self.weight_server is not None:
             self.weight_server.close()

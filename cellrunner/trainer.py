@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cellrunner.checkpoint import Checkpoint, load_optimizer_state, load_weights, save_checkpoint
 from cellrunner.config import ModelConfig
 from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import FlatWeights, build_model, flatten_grads, flatten_params, load_flat
@@ -93,6 +94,24 @@ class EmbeddedTrainer:
     def weights(self) -> FlatWeights:
         assert self.model is not None
         return flatten_params(self.model, self.version)
+
+    def param_names(self) -> list[str]:
+        """The parameters in the optimizer's order (``model.parameters()``, shared ones once)."""
+        assert self.model is not None
+        return [name for name, _ in self.model.named_parameters()]
+
+    def save_checkpoint(self, checkpoint_dir: str) -> str:
+        """Core only: this version's weights and AdamW state (cellrunner.checkpoint)."""
+        assert self.is_core and self.model is not None
+        return str(save_checkpoint(checkpoint_dir, self.weights(), self.optimizer, self.param_names()))
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Core only, instead of ``start(None)``: resume from a checkpoint's weights and AdamW state."""
+        assert self.is_core and self.model is None, "restore() replaces the first start()"
+        self.start(None)
+        assert self.optimizer is not None
+        self.start(load_weights(ckpt, self.weights().specs))
+        load_optimizer_state(ckpt, self.optimizer, self.param_names())
 
     # -- work ----------------------------------------------------------------------------------
 

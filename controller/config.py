@@ -25,6 +25,13 @@ class RunConfig:
     seed: int
     eval_at_start: bool
     eval_at_end: bool
+    run_id: str
+    """The run folder's name under runs_dir; '' for a fresh timestamped one. Slurm scripts pass the
+    job id, so a requeued job finds its folder and resumes from the core's newest checkpoint."""
+    resume: bool
+    """Start from the newest complete checkpoint in the run folder, when there is one."""
+    checkpoint_every: int
+    """The core saves weights + AdamW state every this many steps (0: only at the end)."""
     log_level: Literal["DEBUG", "INFO", "WARNING"]
     progress_every_s: float
 

@@ -62,6 +62,8 @@ class Controller:
         self.cfg = cfg
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
+        # Attempts of one run folder (a requeued job): 0, then one more per earlier processor log.
+        self.attempt = sum(1 for p in run_dir.glob("processor*") if p.is_dir())
         # Where cells run: one explicit choice per cluster.kind (the node list is read here, so a
         # bad allocation fails before any process starts).
         self.cell_launcher: CellLauncher = (
@@ -102,7 +104,7 @@ class Controller:
         proc_ready = self._start_child(
             "processor", "trajectory.main",
             {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.run_dir / "processor")],
+            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.attempt_dir("processor"))],
         )
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
@@ -111,7 +113,7 @@ class Controller:
         )
         self.proxy_url = proxy_ready["url"]
         self.executions = ExecutionManager(
-            workload=c.workload, run_dir=self.run_dir, proxy_url=self.proxy_url,
+            workload=c.workload, work_dir=self.attempt_dir("work"), proxy_url=self.proxy_url,
             model_name=c.proxy.model_name, secret=self.secret,
         )
         cell_cfg = {
@@ -121,6 +123,7 @@ class Controller:
             "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
             "transfer": c.cluster.transfer,
             "seed": c.run.seed, "checkpoint_dir": str(self.run_dir / "checkpoints"),
+            "checkpoint_every": c.run.checkpoint_every, "resume": c.run.resume,
         }
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
@@ -137,22 +140,48 @@ class Controller:
                 if cell.proc.poll() is not None and cell.phase == "starting":
                     raise StartError(f"cell {cell.cell_id} exited:\n{log_tail(self.log_dir, f'cell{cell.cell_id}')}")
             self._drain_socket(timeout_ms=100)
+        self.resume_from_core()
         self.push_routing()
         # Where everything listens, for operators and tests (the processor's address is in its ready file).
         self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
                                             "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()}})
-        self.stage = "eval_start" if c.run.eval_at_start else "train"
+        self.stage = "eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train"
         if self.stage == "eval_start":
             self.start_eval("start")
         log.info("gyre: %d cells up, proxy at %s, controller at %s", len(self.cells.cells), self.proxy_url, self.addr)
 
+    def resume_from_core(self) -> None:
+        """A requeued job: the core came up from its checkpoint at version N > 0, so the run goes on
+        at step N (the start eval was done by the first attempt) and satellites pull version N."""
+        version = self.cells.cells[self.cfg.cluster.core_cell].weight_version
+        if version == 0:
+            return
+        if version >= self.cfg.run.steps:
+            log.warning("gyre: the checkpoint is at version %d, run.steps is %d: nothing left to train",
+                        version, self.cfg.run.steps)
+        self.steps.version = version
+        self.planned_steps = version
+        self.metrics.log("resumed", t=time.monotonic() - self.t0, weight_version=version)
+        log.info("gyre: resuming at step %d from the core's checkpoint", version)
+        for cell in self.cells.cells.values():
+            if not cell.is_core:
+                self.send_to(f"cell-{cell.cell_id}",
+                             wire.LoadWeights(weight_version=version, core_weights_addr=self.core_addr()))
+
     def _start_child(self, name: str, module: str, config: dict, extra: list[str]) -> dict:
         cfg_path = self._write_json(f"{name}.json", config)
         ready = self.run_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)  # an earlier attempt's file would announce a process long gone
         proc = spawn(name, module, ["--config-json", str(cfg_path), "--controller", self.addr,
                                     "--ready-file", str(ready), *extra], self.log_dir)
         self.children[name] = proc
         return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
+
+    def attempt_dir(self, name: str) -> Path:
+        """``name/`` on a run's first attempt, ``name.<k>/`` on attempt k of a resumed run: the
+        processor's log and the workspaces of the old attempt belong to executions that died with
+        it, and must not be replayed into (or mistaken for) this attempt's."""
+        return self.run_dir / (name if self.attempt == 0 else f"{name}.{self.attempt}")
 
     def _write_json(self, name: str, obj: dict) -> Path:
         path = self.run_dir / name
@@ -250,6 +279,7 @@ class Controller:
         if cell is None or cell.phase != "starting":
             return
         cell.engine_url, cell.weights_addr, cell.grads_addr = msg.engine_url, msg.weights_addr, msg.grads_addr
+        cell.weight_version = msg.weight_version
         now = time.monotonic()
         cell.last_seen = now
         cell.phase_since = now
@@ -500,11 +530,13 @@ class Controller:
                          phases={c.cell_id: c.phase for c in self.cells.cells.values()})
 
 
-def make_run_dir(runs_dir: str, name: str) -> Path:
+def make_run_dir(runs_dir: str, name: str, run_id: str = "") -> Path:
+    """``runs_dir/<run_id>`` (a fresh timestamped id when empty). A given id may exist already: a
+    requeued Slurm job passes its job id, finds its first attempt's folder and resumes there."""
     root = Path(runs_dir)
-    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{name}-{os.getpid()}"
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{name}-{os.getpid()}"
     run_dir = root / run_id
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     latest = root / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()

@@ -64,9 +64,9 @@ class Execution:
 
 
 class ExecutionManager:
-    def __init__(self, *, workload: WorkloadConfig, run_dir: Path, proxy_url: str, model_name: str, secret: bytes):
+    def __init__(self, *, workload: WorkloadConfig, work_dir: Path, proxy_url: str, model_name: str, secret: bytes):
         self.cfg = workload
-        self.work_dir = run_dir / "work"
+        self.work_dir = work_dir
         self.proxy_url = proxy_url
         self.model_name = model_name
         self.secret = secret

@@ -29,7 +29,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run(cfg: GyreConfig) -> dict:
-    run_dir = make_run_dir(cfg.run.runs_dir, cfg.run.name)
+    run_dir = make_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.run_id)
     logging.basicConfig(
         level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         handlers=[logging.FileHandler(run_dir / "controller.log"), logging.StreamHandler(sys.stderr)], force=True,

@@ -76,9 +76,11 @@ class CellReady(Message):
     weights_addr: str
     grads_addr: str
     is_core: bool
+    weight_version: int = 0
+    """The version the cell starts with: 0, or the core's checkpoint when a run resumes."""
 
     def check(self) -> None:
-        _non_negative(cell_id=self.cell_id)
+        _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -34,7 +34,7 @@ def wait_ended(mgr: ExecutionManager, deadline_s: float = 30.0):
 def launch_one(tmp_path: Path, cfg: WorkloadConfig, proxy_url: str):
     """Plan and launch one execution of the first training task against ``proxy_url``."""
     task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, run_dir=tmp_path, proxy_url=proxy_url, model_name="m", secret=b"k" * 32)
+    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url=proxy_url, model_name="m", secret=b"k" * 32)
     (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
     mgr.launch(ex, time.monotonic())
     return mgr, ex, task

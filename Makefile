@@ -18,7 +18,7 @@ MINI_STAMP := .tools/mini-swe-agent/.installed-$(MINI_SWE_AGENT_VERSION)
 LITELLM_VERSION := 1.106.12
 LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 
-.PHONY: venv claude-code mini-swe-agent litellm run test bench clean
+.PHONY: venv claude-code mini-swe-agent litellm run test bench gpu-env gpu-check clean
 
 venv: $(STAMP)
 
@@ -70,6 +70,14 @@ bench: venv litellm
 	$(BIN)/python -m bench.proxy
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
+
+# The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in its own venv, on a GPU node.
+gpu-env:
+	scripts/install_gpu.sh
+
+# One H200, <= 8 min: SGLang logprobs, a Megatron GSPO step, weight update, switches, Mooncake pull.
+gpu-check:
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf runs outputs .pytest_cache

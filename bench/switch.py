@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 from bench.fixtures import CONF, run_info
 from controller import wire
 from controller.config import GyreConfig, build_config
+from controller.controller import cellrunner_config
 from controller.processes import log_tail, spawn, stop
 from controller.typed_config import to_dict
 
@@ -55,17 +56,6 @@ def load_config(overrides: list[str]) -> GyreConfig:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         raw = compose(config_name="config", overrides=overrides)
     return build_config(OmegaConf.to_container(raw, resolve=True))
-
-
-def cellrunner_config(cfg: GyreConfig, checkpoint_dir: Path) -> dict:
-    """What the controller writes to ``cellrunner.json`` (controller/controller.py, start())."""
-    return {
-        "model": to_dict(cfg.model), "algo": to_dict(cfg.algo), "host": cfg.cluster.host,
-        "core_cell": cfg.cluster.core_cell, "torch_threads": cfg.cluster.torch_threads,
-        "heartbeat_interval_s": cfg.cluster.heartbeat_interval_s, "drain_timeout_s": cfg.cluster.drain_timeout_s,
-        "capacity_per_cell": cfg.scheduler.capacity_per_cell, "transfer_timeout_s": cfg.cluster.transfer_timeout_s,
-        "transfer": cfg.cluster.transfer, "seed": cfg.run.seed, "checkpoint_dir": str(checkpoint_dir),
-    }
 
 
 class Cells:
@@ -79,7 +69,8 @@ class Cells:
         self.sock.bind(f"tcp://{cfg.cluster.host}:0")
         addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         cfg_path = work_dir / "cellrunner.json"
-        cfg_path.write_text(json.dumps(cellrunner_config(cfg, work_dir / "checkpoints")))
+        cfg_path.write_text(json.dumps(cellrunner_config(
+            cfg, checkpoint_dir=work_dir / "checkpoints", log_dir=self.log_dir)))
         self.core = cfg.cluster.core_cell
         self.procs = {
             i: spawn(f"cell{i}", "cellrunner.main",

@@ -1,4 +1,8 @@
-"""Typed mirror of conf/model/*.yaml."""
+"""Typed mirrors of conf/model/*.yaml, conf/trainer/*.yaml and conf/engine/*.yaml.
+
+Only dataclasses: choosing ``trainer=megatron`` or ``engine=sglang`` must not import megatron-core
+or SGLang into processes that only read the config.
+"""
 
 from __future__ import annotations
 
@@ -29,3 +33,89 @@ class ModelConfig:
             raise ValueError(f"compact_ranks: want 256..151643, got {self.compact_ranks}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads: want a multiple of num_key_value_heads")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedTrainerConfig:
+    """The torch trainer of one process (cellrunner.trainer): nothing to set."""
+
+    kind: Literal["embedded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedEngineConfig:
+    """The torch engine on SGLang's native API (cellrunner.engine): nothing to set."""
+
+    kind: Literal["embedded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronConfig:
+    """Typed mirror of conf/trainer/megatron.yaml (the parallel layout inside one cell)."""
+
+    kind: Literal["megatron"]
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    expert_model_parallel_size: int
+    params_dtype: Literal["float32", "bfloat16"]
+    """bfloat16 trains with fp32 main weights and fp32 gradient buffers (Megatron's mixed precision)."""
+    layer_spec: Literal["local", "transformer_engine"]
+    """``local``: megatron-core modules only (runs anywhere); ``transformer_engine``: TE's fused
+    kernels (needs transformer-engine on the GPU install)."""
+    pad_vocab_to: int
+    """Embedding rows are padded to a multiple of this x TP; padded logits are masked out."""
+    hf_checkpoint: str
+    """An HF Qwen3 / Qwen3-MoE folder (config.json + safetensors) for version 0; "" = the seeded
+    init of ``cellrunner.model`` from the model config (what every other cell builds)."""
+    offload_when_serving: bool
+    """On CUDA, the core moves its weights, gradients and Adam state to host memory while it serves."""
+    moe_aux_loss_coeff: float
+
+    def check(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "pad_vocab_to"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: want >= 1, got {getattr(self, name)}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff: want >= 0, got {self.moe_aux_loss_coeff}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """Typed mirror of conf/engine/sglang.yaml: one SGLang server per cell."""
+
+    kind: Literal["sglang"]
+    python: str
+    """Interpreter with sglang installed ("" = this one)."""
+    tp_size: int
+    dp_size: int
+    ep_size: int
+    nnodes: int
+    """Nodes one server spans; node ranks and the rendezvous host come from the launcher."""
+    dist_init_port: int
+    mem_fraction_static: float
+    dtype: Literal["bfloat16", "float16", "float32"]
+    context_length: int
+    """0 = the model's ``max_position_embeddings``."""
+    disable_cuda_graph: bool
+    weight_update: Literal["disk"]
+    weight_dir: str
+    """Where new versions are written for ``/update_weights_from_disk`` (tmpfs: /dev/shm/...)."""
+    hf_checkpoint: str
+    """An HF model folder to serve from start; "" = the model config with dummy weights."""
+    startup_timeout_s: float
+    request_timeout_s: float
+    poll_interval_s: float
+    extra_args: tuple[str, ...]
+    """Passed through to ``sglang.launch_server`` as they are (e.g. HiCache flags)."""
+
+    def check(self) -> None:
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: want >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static: want (0, 1), got {self.mem_fraction_static}")
+        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
+            raise ValueError("startup_timeout_s, request_timeout_s, poll_interval_s: want > 0")
+        if not self.weight_dir:
+            raise ValueError("weight_dir: want a folder for weight updates")

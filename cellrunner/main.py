@@ -19,21 +19,24 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import psutil
 import torch
 import zmq
 
-from cellrunner.config import ModelConfig
+from cellrunner.config import (
+    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, SGLangConfig,
+)
 from cellrunner.checkpoint import latest_checkpoint
 from cellrunner.engine import EmbeddedEngine
+from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import (
     WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller, recv_grads, send_grads,
 )
-from cellrunner.transfer_mooncake import MooncakeUnavailable, MooncakeWeightPublisher, MooncakeWeightPuller
+from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
@@ -63,8 +66,34 @@ class CellRunnerConfig:
     ``checkpoint_every`` steps and at shutdown."""
     checkpoint_every: int
     """0: only at shutdown."""
+    trainer: EmbeddedTrainerConfig | MegatronConfig
+    engine: EmbeddedEngineConfig | SGLangConfig
+    log_dir: str
+    """Where the cell's own children (SGLang servers) log."""
     resume: bool
     """The core starts from the newest complete checkpoint in ``checkpoint_dir`` when there is one."""
+
+
+def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
+    """The trainer ``cfg.trainer.kind`` names; megatron-core is imported only when chosen."""
+    if isinstance(cfg.trainer, MegatronConfig):
+        from cellrunner.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
+                               megatron=cfg.trainer, seed=cfg.seed)
+    return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core)
+
+
+def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int) -> Any:
+    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy."""
+    seed = cfg.seed * 1000 + cell_id
+    if isinstance(cfg.engine, SGLangConfig):
+        from cellrunner.engine_sglang import SGLangEngine
+
+        return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+                            cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir)
+    return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+                          cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed)
 
 
 def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
@@ -92,11 +121,8 @@ class CellRunner:
         self.ctl.connect(controller_addr)
         tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
         self.vocab_size = tok.vocab_size
-        self.trainer = EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=self.vocab_size, is_core=self.is_core)
-        self.engine = EmbeddedEngine(
-            model_cfg=cfg.model, vocab_size=self.vocab_size, host=cfg.host, port=0,
-            cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=cfg.seed * 1000 + cell_id,
-        )
+        self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
+        self.engine = make_engine(cfg, self.vocab_size, cell_id)
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
         self.core_grads_addr = ""
@@ -337,11 +363,11 @@ def main() -> None:
         cfg = build(CellRunnerConfig, json.load(f))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell{args.cell_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.torch_threads)
-    runner = CellRunner(cfg, args.cell_id, args.controller)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
     try:
+        runner = CellRunner(cfg, args.cell_id, args.controller)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
         runner.run()
-    except MooncakeUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback
+    except BackendUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback
         log.error("cell %d: %s", args.cell_id, exc)
         raise SystemExit(2) from None
 

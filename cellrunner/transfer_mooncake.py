@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import zmq
 
+from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights
 from cellrunner.transfer import TransferError
 from controller.wire import (
@@ -59,7 +60,7 @@ MAX_CONTROL_BYTES = 16 * 1024 * 1024
 MooncakeProtocol = Literal["tcp", "rdma"]
 
 
-class MooncakeUnavailable(RuntimeError):
+class MooncakeUnavailable(BackendUnavailable):
     """``transfer=mooncake`` was chosen but the ``mooncake`` package cannot be imported."""
 
 

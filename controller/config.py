@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cellrunner.config import ModelConfig
+from cellrunner.config import (
+    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, SGLangConfig,
+)
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
 from trajectory.config import AlgoConfig
@@ -93,6 +95,10 @@ class GyreConfig:
     scheduler: SchedulerConfig
     algo: AlgoConfig
     proxy: ProxyConfig
+    trainer: EmbeddedTrainerConfig | MegatronConfig
+    """``trainer=embedded`` (torch, one process) or ``trainer=megatron`` (GPU install, cellrunner/GPU.md)."""
+    engine: EmbeddedEngineConfig | SGLangConfig
+    """``engine=embedded`` (torch, SGLang's native API) or ``engine=sglang`` (the real servers)."""
 
     def check(self) -> None:
         if self.scheduler.kind == "async" and not 1 <= self.scheduler.train_cells < self.cluster.num_cells:

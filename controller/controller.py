@@ -116,15 +116,7 @@ class Controller:
             workload=c.workload, work_dir=self.attempt_dir("work"), proxy_url=self.proxy_url,
             model_name=c.proxy.model_name, secret=self.secret,
         )
-        cell_cfg = {
-            "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
-            "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
-            "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
-            "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
-            "transfer": c.cluster.transfer,
-            "seed": c.run.seed, "checkpoint_dir": str(self.run_dir / "checkpoints"),
-            "checkpoint_every": c.run.checkpoint_every, "resume": c.run.resume,
-        }
+        cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir)
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(
@@ -528,6 +520,19 @@ class Controller:
         print(line, flush=True)
         self.metrics.log("progress", t=now - self.t0, stage=self.stage, version=self.steps.version,
                          phases={c.cell_id: c.phase for c in self.cells.cells.values()})
+
+
+def cellrunner_config(c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path) -> dict:
+    """The cellrunner's config (cellrunner.main.CellRunnerConfig) as the JSON every cell is given."""
+    return {
+        "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
+        "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
+        "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
+        "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
+        "transfer": c.cluster.transfer, "seed": c.run.seed, "checkpoint_dir": str(checkpoint_dir),
+        "checkpoint_every": c.run.checkpoint_every, "resume": c.run.resume,
+        "trainer": to_dict(c.trainer), "engine": to_dict(c.engine), "log_dir": str(log_dir),
+    }
 
 
 def make_run_dir(runs_dir: str, name: str, run_id: str = "") -> Path:

@@ -51,8 +51,10 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _value(inner, value, where)
+        choices = [a for a in args if a is not type(None)]
+        if len(choices) > 1:  # a tagged union of config classes: `kind` picks one
+            return _tagged(choices, value, where)
+        return _value(choices[0], value, where)
     if origin in (list, tuple):
         (inner, *_) = typing.get_args(hint)
         if not isinstance(value, (list, tuple)):
@@ -67,6 +69,20 @@ def _value(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: want {hint.__name__}, got {value!r}")
         return value
     raise TypeError(f"typed_config: no rule for {hint!r} at {where}")
+
+
+def _tagged(choices: list[Any], value: Any, where: str) -> Any:
+    kinds = {}
+    for cls in choices:
+        kind_hint = typing.get_type_hints(cls).get("kind") if dataclasses.is_dataclass(cls) else None
+        if typing.get_origin(kind_hint) is not Literal:
+            raise TypeError(f"typed_config: {where}: union members need a `kind: Literal[...]` field")
+        for k in typing.get_args(kind_hint):
+            kinds[k] = cls
+    kind = value.get("kind") if isinstance(value, dict) else None
+    if kind not in kinds:
+        raise ConfigError(f"{where}.kind: want one of {sorted(kinds)}, got {kind!r}")
+    return build(kinds[kind], value, where)
 
 
 def to_dict(obj: Any) -> Any:

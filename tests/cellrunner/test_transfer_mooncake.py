@@ -336,7 +336,8 @@ def test_a_missing_package_is_named_with_the_apt_line(monkeypatch: pytest.Monkey
 def test_a_cell_without_the_package_exits_saying_what_to_install(tmp_path: Path) -> None:
     """A real cellrunner with ``transfer=mooncake`` where ``mooncake.engine`` fails to import, as
     it does on a host without libibverbs: exit code 2 and the install lines, no traceback."""
-    from bench.switch import cellrunner_config, load_config
+    from bench.switch import load_config
+    from controller.controller import cellrunner_config
 
     broken = tmp_path / "site" / "mooncake"
     broken.mkdir(parents=True)
@@ -344,7 +345,7 @@ def test_a_cell_without_the_package_exits_saying_what_to_install(tmp_path: Path)
     (broken / "engine.py").write_text('raise ImportError("libibverbs.so.1: cannot open shared object file")\n')
     cfg = load_config(["cluster.transfer=mooncake"])
     cfg_path = tmp_path / "cellrunner.json"
-    cfg_path.write_text(json.dumps(cellrunner_config(cfg, tmp_path / "checkpoints")))
+    cfg_path.write_text(json.dumps(cellrunner_config(cfg, checkpoint_dir=tmp_path / "checkpoints", log_dir=tmp_path)))
     satellite = 1 if cfg.cluster.core_cell != 1 else 0
     proc = subprocess.run(
         [sys.executable, "-m", "cellrunner.main", "--config-json", str(cfg_path), "--cell-id", str(satellite),

@@ -45,3 +45,18 @@ def test_cross_package_checks():
         load("cluster.core_cell=7")
     with pytest.raises(ConfigError, match="train_cells"):
         load("scheduler=async", "scheduler.train_cells=4")
+
+
+def test_backends_are_groups_and_kind_picks_the_typed_config():
+    from cellrunner.config import EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, SGLangConfig
+
+    cfg = load()
+    assert isinstance(cfg.trainer, EmbeddedTrainerConfig) and isinstance(cfg.engine, EmbeddedEngineConfig)
+    assert cfg.cluster.transfer == "zmq"
+    gpu = load("trainer=megatron", "engine=sglang", "transfer=mooncake", "engine.tp_size=8")
+    assert isinstance(gpu.trainer, MegatronConfig) and isinstance(gpu.engine, SGLangConfig)
+    assert gpu.engine.tp_size == 8 and gpu.cluster.transfer == "mooncake"
+    with pytest.raises(ConfigError, match=r"trainer.kind: want one of \['embedded', 'megatron'\]"):
+        load("trainer.kind=deepspeed")
+    with pytest.raises(ConfigError, match="engine: unknown key"):
+        load("+engine.tp_size=2")  # the embedded engine has no such knob

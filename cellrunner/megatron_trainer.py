@@ -1,0 +1,627 @@
+"""The Megatron trainer (``trainer=megatron``): a megatron-core GPTModel replica of the policy.
+
+Same interface and the same arithmetic as ``cellrunner.trainer.EmbeddedTrainer``: microsteps
+accumulate the GSPO loss's gradient *sum* (``cellrunner.gspo``: masks, per-execution token
+weights); ``take_grads`` hands a satellite's sum over; the core's ``apply`` adds the satellites'
+sums to its own, divides by the step's executions and steps the optimizer. What differs:
+
+- The model is megatron-core's ``GPTModel`` for Qwen3 (RMSNorm, qk-norm, SwiGLU, no biases, RoPE;
+  MoE when the HF config has experts), built from the HF config; weights cross processes in
+  the HF layout (``FlatWeights`` with HF names, as the embedded model and SGLang use them),
+  converted per TP rank by ``cellrunner.megatron_convert``.
+- Gradients accumulate in Megatron's DDP buffers (``param.main_grad``) and the step is taken by
+  ``get_megatron_optimizer``. A plain ``torch.optim`` optimizer would read ``param.grad``, which
+  Megatron's DDP never fills: it runs but does not train.
+- ``calculate_per_token_loss=True`` keeps Megatron from dividing the loss by microbatches and
+  tokens and makes its DDP *sum* over data-parallel ranks, so the gradient stays the plain sum
+  the cross-cell combination expects.
+- A satellite's gradient is its local DDP buffer, flat (after the in-cell DP/TP reductions). Cells
+  share one training layout, so rank r of a satellite and rank r of the core hold the same
+  layout; the shapes are checked.
+- Checkpoints: each rank writes its own shard (parameters and Adam state, Megatron layout) as
+  safetensors plus one JSON manifest (``save_checkpoint``/``load_checkpoint``); the HF export is
+  ``weights()``. Megatron's own ``dist_checkpointing`` pickles its metadata (``.metadata``,
+  ``common.pt``) and Gyre never pickles to a file.
+
+Every rank of a cell calls the same methods with the same arguments (SPMD). With one process per
+cell (the default) the trainer starts its own one-rank process group.
+
+Runs on CUDA unpatched. On a CPU-only torch megatron-core 0.16 needs the shims of
+``tests/cellrunner/megatron_cpu_shims.py`` (tests only); nothing here patches megatron.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cellrunner.errors import BackendUnavailable
+from cellrunner.config import MegatronConfig, ModelConfig
+from cellrunner.gspo import LossStats, PackedBatch, gspo_loss, pack
+from cellrunner.megatron_convert import (
+    Qwen3Layout, hf_shapes, hf_to_megatron, layout_from_hf, load_hf_safetensors, megatron_to_hf,
+)
+from cellrunner.model import FlatWeights, build_model, hf_config
+from cellrunner.trainer import MicrostepResult, split_by_tokens
+from controller.wire import Shard, TensorSpec
+from trajectory.config import AlgoConfig
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "trainer=megatron needs megatron-core: `pip install megatron-core==0.16.1 psutil` (Python 3.11)"
+CHECKPOINT_MANIFEST = "gyre_megatron.json"
+CHECKPOINT_FORMAT = 1
+
+
+class MegatronUnavailable(BackendUnavailable):
+    """``trainer=megatron`` was chosen but megatron-core cannot be imported."""
+
+
+
+
+try:  # megatron-core is in the [test] and [gpu] installs, not the default one
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:  # pragma: no cover - exercised only on installs without megatron
+    _IMPORT_ERROR = exc
+
+
+# ---------------------------------------------------------------- process groups and config
+
+
+def ensure_process_groups(cfg: MegatronConfig, *, seed: int) -> None:
+    """Start torch.distributed (one rank, or env:// under torchrun/srun) and Megatron's groups."""
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group(backend, init_method="env://")
+        else:  # a one-process cell needs no rendezvous: an in-process store
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    tp, pp, ep = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise RuntimeError(f"megatron groups already initialised as tp/pp/ep={have}, want {(tp, pp, ep)}")
+        return
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(hf: Any, layout: Qwen3Layout, cfg: MegatronConfig) -> TransformerConfig:
+    """A Qwen3 TransformerConfig from an HF config (dense, or MoE when it has experts)."""
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cfg.params_dtype == "bfloat16" else torch.float32
+    moe: dict[str, Any] = {}
+    if layout.num_experts:
+        moe = dict(
+            num_moe_experts=layout.num_experts,
+            moe_router_topk=int(hf.num_experts_per_tok),
+            moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
+            moe_layer_freq=[1 if layout.is_moe(i) else 0 for i in range(layout.num_layers)],
+            # Qwen3-MoE: softmax over all experts, top-k, renormalised iff norm_topk_prob; Megatron's
+            # top-k-then-softmax equals the renormalised form.
+            moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", True)),
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            # all-to-all is the one for expert parallelism and the one variable sequence lengths
+            # (PP > 1) allow; Megatron's default all-gather otherwise.
+            moe_token_dispatcher_type="alltoall" if cfg.expert_model_parallel_size > 1
+            or cfg.pipeline_model_parallel_size > 1 else "allgather",
+            moe_grouped_gemm=False,
+            expert_tensor_parallel_size=1,
+        )
+    return TransformerConfig(
+        num_layers=layout.num_layers,
+        hidden_size=layout.hidden_size,
+        num_attention_heads=layout.num_heads,
+        num_query_groups=layout.num_kv_heads,
+        kv_channels=layout.head_dim,
+        ffn_hidden_size=layout.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=False,
+        # Leave the loss a sum: no division by tokens or microbatches, DDP sums over DP ranks.
+        calculate_per_token_loss=True,
+        variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
+        # Weights are always loaded right after the build, so nothing is initialised.
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need apex / Megatron's compiled kernels; the unfused paths compute the same.
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def _fix_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router gate tests ``te_general_gemm is not None`` but defines the
+    name only when Transformer Engine imports, so a MoE model without TE dies with a NameError
+    on any device. Define it as None: the unfused matmul path it guards then runs, as intended."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def block_spec(tconfig: TransformerConfig, cfg: MegatronConfig) -> Any:
+    """This pipeline stage's layers: dense or MoE per ``moe_layer_freq``, local or TE modules."""
+    return get_gpt_decoder_block_spec(tconfig, use_transformer_engine=cfg.layer_spec == "transformer_engine",
+                                      normalization="RMSNorm")
+
+
+def rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None)  # transformers 5 moved it here
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(hf.rope_theta)
+
+
+# ---------------------------------------------------------------- flat HF weights
+
+
+def hf_specs(layout: Qwen3Layout) -> tuple[TensorSpec, ...]:
+    specs, offset = [], 0
+    for name, shape in hf_shapes(layout).items():
+        specs.append(TensorSpec(name=name, shape=list(shape), offset=offset))
+        offset += int(np.prod(shape, dtype=np.int64))
+    return tuple(specs)
+
+
+def hf_tensors(weights: FlatWeights, layout: Qwen3Layout) -> dict[str, torch.Tensor]:
+    """Views of a FlatWeights buffer as HF tensors; the manifest must be this model's."""
+    want = {s.name: tuple(s.shape) for s in hf_specs(layout)}
+    got = {s.name: tuple(s.shape) for s in weights.specs}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        raise ValueError(f"weights: manifest does not match this model (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}, wrong shape {wrong[:3]})")
+    src = torch.from_numpy(weights.data)
+    out = {}
+    for s in weights.specs:
+        n = int(np.prod(s.shape, dtype=np.int64))
+        out[s.name] = src[s.offset : s.offset + n].view(*s.shape)
+    return out
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class MegatronTrainer:
+    """One cell's Megatron replica. Methods and return values as ``EmbeddedTrainer``'s."""
+
+    def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool,
+                 megatron: MegatronConfig, seed: int = 0):
+        if _IMPORT_ERROR is not None:
+            raise MegatronUnavailable(f"{INSTALL_HINT} (import failed: {_IMPORT_ERROR})")
+        if algo.tree_packing:
+            raise ValueError("algo.tree_packing is implemented by the embedded trainer only; "
+                             "set algo.tree_packing=false with trainer=megatron")
+        self.model_cfg, self.algo, self.vocab_size, self.is_core, self.cfg = model_cfg, algo, vocab_size, is_core, megatron
+        ensure_process_groups(megatron, seed=seed)
+        if megatron.hf_checkpoint:
+            from transformers import AutoConfig
+
+            self.hf_config = AutoConfig.from_pretrained(megatron.hf_checkpoint)
+        else:
+            self.hf_config = hf_config(model_cfg, vocab_size)
+        self.layout = layout_from_hf(self.hf_config, pad_to=megatron.pad_vocab_to,
+                                     tp_size=megatron.tensor_model_parallel_size, layer_spec=megatron.layer_spec)
+        self.specs = hf_specs(self.layout)
+        self._spec_by_name = {s.name: s for s in self.specs}
+        self.tconfig = transformer_config(self.hf_config, self.layout, megatron)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.model: Any = None  # the DDP-wrapped GPTModel
+        self.optimizer: Any = None
+        self.version = -1
+        self.num_microsteps = 0
+        self._offloaded = False
+        self._global_layers: list[int] = []
+        self._pad_cols: torch.Tensor | None = None  # this rank's padded vocabulary columns
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, weights: FlatWeights | None) -> None:
+        """Build the replica (or bring the core's back); load ``weights`` when given."""
+        if self.model is None:
+            self._build()
+            if weights is None:
+                self._load_hf(self._initial_hf())
+                self.version = 0  # the seeded init (or the HF checkpoint) is version 0 everywhere
+        elif self._offloaded:
+            self._restore()
+        if weights is not None:
+            self._load_hf(hf_tensors(weights, self.layout))
+            self.version = weights.version
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.num_microsteps = 0
+        if self.is_core and self.optimizer is None:
+            b1, b2 = self.algo.betas
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=self.algo.lr, min_lr=self.algo.lr, weight_decay=self.algo.weight_decay,
+                adam_beta1=b1, adam_beta2=b2, adam_eps=1e-8, clip_grad=self.algo.grad_clip,
+                bf16=self.cfg.params_dtype == "bfloat16", params_dtype=self.tconfig.params_dtype,
+            ), [self.model])
+
+    def stop(self) -> None:
+        """Satellites drop everything; the core keeps weights and optimizer state (it owns them)."""
+        if self.model is None:
+            return
+        self.model.zero_grad_buffer()
+        self.num_microsteps = 0
+        if not self.is_core:
+            self.model = None
+            self.version = -1
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the memory back to the serving engine
+        elif self.cfg.offload_when_serving and torch.cuda.is_available():
+            self._offload()
+
+    def weights(self) -> FlatWeights:
+        """The full model in the HF layout, float32, on every rank of the cell."""
+        assert self.model is not None, "weights() before start()"
+        if self.cfg.expert_model_parallel_size > 1:
+            raise NotImplementedError("weights(): gathering experts over expert-parallel ranks is not built; use EP=1")
+        # .to(device): a core that offloaded while serving gathers its host copies on the GPU
+        local = self._local_state(lambda p: p.detach().to(self.device))
+        multi_stage = parallel_state.get_pipeline_model_parallel_world_size() > 1
+        # The full float32 model lives on the host, except when stages must sum it (NCCL).
+        flat = torch.zeros(self.specs[-1].offset + int(np.prod(self.specs[-1].shape)), dtype=torch.float32,
+                           device=self.device if multi_stage else "cpu")
+        for name, t in self._to_hf(local).items():
+            spec = self._spec_by_name[name]
+            flat[spec.offset : spec.offset + t.numel()] = t.reshape(-1).float()
+        if multi_stage:
+            # Stages own disjoint tensors, so a sum over the stage group assembles them exactly.
+            dist.all_reduce(flat, group=parallel_state.get_pipeline_model_parallel_group())
+        return FlatWeights(self.version, self.specs, flat.cpu().numpy())
+
+    # -- work ----------------------------------------------------------------------------------
+
+    def microstep(self, shard: Shard) -> MicrostepResult:
+        assert self.model is not None, "microstep before start()"
+        t0 = time.perf_counter()
+        chunks = split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep)
+        batches = [pack(c) for c in chunks[self.dp_rank :: self.dp_size]]  # this DP rank's share
+        totals = torch.zeros(5, dtype=torch.float64)  # loss, tokens, ratio*seqs, clipped*seqs, seqs
+        if batches:
+            fb = get_forward_backward_func()
+            fb(
+                forward_step_func=partial(self._forward_step, totals),
+                data_iterator=iter(batches), model=[self.model], num_microbatches=len(batches),
+                seq_length=max(b.input_ids.shape[1] for b in batches),
+                micro_batch_size=max(b.input_ids.shape[0] for b in batches), forward_only=False,
+            )
+        if dist.get_world_size() > 1:  # the loss lives on the last stage of each DP replica
+            reduced = totals.to(self.device)
+            dist.all_reduce(reduced)
+            totals = reduced.cpu() / self.tp_size  # every TP rank counted the same batches
+        self.num_microsteps += 1
+        seqs = max(float(totals[4]), 1.0)
+        return MicrostepResult(
+            num_tokens=int(round(float(totals[1]))), loss=float(totals[0]), fb_s=time.perf_counter() - t0,
+            mean_ratio=float(totals[2]) / seqs, clip_fraction=float(totals[3]) / seqs,
+        )
+
+    def take_grads(self) -> np.ndarray:
+        """The summed gradient of every microstep since the last call, this rank's flat DDP
+        buffer (after the cell's own DP/TP reductions); then zero it."""
+        assert self.model is not None
+        finalize_model_grads([self.model])
+        flat = torch.cat([b.reshape(-1).float() for b in self._grad_buffers()]).cpu().numpy().copy()
+        self.model.zero_grad_buffer()
+        self.num_microsteps = 0
+        return flat
+
+    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
+        """Core only: combine gradients, mean over executions, clip, Adam step -> next version."""
+        assert self.is_core and self.model is not None and self.optimizer is not None
+        buffers = self._grad_buffers()
+        total = sum(b.numel() for b in buffers)
+        for g in satellite_grads:  # checked first: a refused step must leave the gradients unreduced
+            if g.shape != (total,):
+                raise ValueError(f"satellite gradient has {g.size} elements, want {total}")
+        finalize_model_grads([self.model])
+        offset = 0
+        for buf in buffers:
+            n = buf.numel()
+            for g in satellite_grads:
+                buf.add_(torch.from_numpy(g[offset : offset + n]).to(buf.device, buf.dtype).view_as(buf))
+            buf.div_(float(num_executions))
+            offset += n
+        ok, norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped: non-finite gradients")
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.num_microsteps = 0
+        self.version += 1
+        return self.weights(), float(norm if norm is not None else 0.0)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Each rank of DP replica 0 writes its parameters and Adam state; rank 0 the manifest."""
+        from safetensors.torch import save_file
+
+        assert self.model is not None
+        os.makedirs(directory, exist_ok=True)
+        if self.dp_rank == 0:
+            tensors = {f"param/{n}": t.float().contiguous().cpu() for n, t in self._named_params().items()}
+            for n, state in self._adam_state().items():
+                for k, v in state.items():
+                    tensors[f"{k}/{n}"] = v.float().contiguous().cpu() if v.dim() else v.reshape(1).float().cpu()
+            save_file(tensors, os.path.join(directory, self._shard_file()), metadata={"format": "pt"})
+        if dist.get_rank() == 0:
+            with open(os.path.join(directory, CHECKPOINT_MANIFEST), "w") as f:
+                json.dump({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout_key(),
+                           "has_optimizer": self.optimizer is not None}, f, indent=1)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load what ``save_checkpoint`` wrote, into a started replica of the same layout."""
+        from safetensors.torch import load_file
+
+        assert self.model is not None, "load_checkpoint before start()"
+        with open(os.path.join(directory, CHECKPOINT_MANIFEST)) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{CHECKPOINT_MANIFEST}: want format {CHECKPOINT_FORMAT}")
+        if manifest.get("layout") != self._layout_key():
+            raise ValueError(f"checkpoint layout {manifest.get('layout')} differs from this replica's "
+                             f"{self._layout_key()}; reshard through the HF export (weights())")
+        version = manifest.get("version")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"{CHECKPOINT_MANIFEST}: version: want an int >= 0, got {version!r}")
+        tensors = load_file(os.path.join(directory, self._shard_file()))
+        with torch.no_grad():
+            for n, p in self._named_params().items():
+                t = tensors.get(f"param/{n}")
+                if t is None or tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"checkpoint shard {self._shard_file()}: {n} missing or of another shape")
+                p.copy_(t.to(p.dtype))
+        if self.optimizer is not None:
+            if hasattr(self.optimizer, "reload_model_params"):
+                self.optimizer.reload_model_params()  # fp32 main copies of bf16 weights
+            self._set_adam_state(tensors)
+        self.version = version
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        if self.layout.num_experts:
+            _fix_moe_without_transformer_engine()
+        gpt = GPTModel(
+            config=self.tconfig, transformer_layer_spec=block_spec(self.tconfig, self.cfg),
+            vocab_size=self.layout.padded_vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
+            pre_process=self.pre_process, post_process=self.post_process, parallel_output=True,
+            share_embeddings_and_output_weights=self.layout.tied_embeddings,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta(self.hf_config),
+        )
+        gpt.to(self.device)
+        self._global_layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+        self.model = DistributedDataParallel(
+            self.tconfig,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=False),
+            gpt,
+        )
+        # Padded vocabulary rows must not take probability mass: mask their logits out.
+        per_rank = self.layout.padded_vocab_size // self.tp_size
+        cols = torch.arange(per_rank, device=self.device) + self.tp_rank * per_rank
+        pad = cols >= self.layout.vocab_size
+        self._pad_cols = pad if bool(pad.any()) else None
+
+    def _initial_hf(self) -> dict[str, torch.Tensor]:
+        if self.cfg.hf_checkpoint:
+            return load_hf_safetensors(self.cfg.hf_checkpoint)
+        # The same seeded init as cellrunner.model, so version 0 matches every other cell's.
+        return {n: p.detach() for n, p in build_model(self.model_cfg, self.vocab_size).named_parameters()}
+
+    def _global_name(self, local: str) -> str:
+        if local.startswith("decoder.layers."):
+            idx, rest = local[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{self._global_layers[int(idx)]}.{rest}"
+        return local
+
+    def _named_params(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters by *global* megatron name (the DDP wrapper's prefix dropped)."""
+        return {self._global_name(n): p for n, p in self.model.module.named_parameters()}
+
+    def _local_state(self, fn: Any) -> dict[str, torch.Tensor]:
+        state = {n: fn(p) for n, p in self._named_params().items()}
+        if self.layout.tied_embeddings:
+            state.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
+        return state
+
+    def _to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.tp_size > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+            for name in sorted(local):  # the same order on every TP rank
+                t = local[name].contiguous()
+                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(parts, t, group=group)
+                for r in range(self.tp_size):
+                    shards[r][name] = parts[r]
+        else:
+            shards = [local]
+        return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
+                              ep_rank=self.ep_rank, layers=self._global_layers)
+
+    def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        mine = hf_to_megatron(hf, self.layout, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                              ep_size=self.cfg.expert_model_parallel_size, ep_rank=self.ep_rank,
+                              layers=self._global_layers)
+        if self.layout.tied_embeddings:
+            mine["output_layer.weight"] = mine["embedding.word_embeddings.weight"]
+        with torch.no_grad():
+            for name, p in self._named_params().items():
+                src = mine.get(name)
+                if src is None or tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"weights: no tensor of shape {tuple(p.shape)} for {name}")
+                p.copy_(src.to(p.dtype))
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        return [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+
+    def _forward_step(self, totals: torch.Tensor, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        batch = self._on_device(next(data_iterator))
+        b, length = batch.input_ids.shape
+        positions = torch.arange(length, device=self.device).unsqueeze(0).expand(b, length)
+        # Right padding: the causal mask alone keeps real positions from seeing pads.
+        output = model(batch.input_ids, positions, None)
+        return output, partial(self._loss, totals, batch)
+
+    def _loss(self, totals: torch.Tensor, batch: PackedBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        logprobs = self.token_logprobs(logits, batch.targets)
+        loss, stats = gspo_loss(logprobs, batch, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high)
+        self._count(totals, stats, batch)
+        num_tokens = torch.tensor(stats.num_targets, dtype=torch.int, device=self.device)
+        return loss, num_tokens, {"loss": loss.detach()}
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log pi_theta of each next token, [B, L-1], from vocab-parallel logits [B, L, V/tp]."""
+        lg = logits[:, :-1].float()
+        if self._pad_cols is not None:
+            lg = lg.masked_fill(self._pad_cols, float("-inf"))
+        # vocab_parallel_cross_entropy works in place on fp32 input: hand it its own copy.
+        ce = vocab_parallel_cross_entropy(lg.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
+        return -ce.transpose(0, 1)
+
+    @staticmethod
+    def _count(totals: torch.Tensor, stats: LossStats, batch: PackedBatch) -> None:
+        n = int((batch.target_mask.sum(dim=1) > 0).sum().item())
+        totals += torch.tensor([stats.loss, stats.num_targets, stats.mean_ratio * n, stats.clip_fraction * n, n],
+                               dtype=torch.float64)
+
+    def _on_device(self, batch: PackedBatch) -> PackedBatch:
+        if self.device.type == "cpu":
+            return batch
+        fields = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
+        return PackedBatch(**fields)
+
+    def _adam_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam moments (and fp32 main weights under bf16) by global megatron name."""
+        if self.optimizer is None:
+            return {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, (main, state) in self._optimizer_params().items():
+            entry = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            if main is not None:
+                entry["main"] = main.detach()
+            out[name] = entry
+        return out
+
+    def _set_adam_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, (main, state) in self._optimizer_params().items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                t = tensors.get(f"{key}/{name}")
+                if t is None:
+                    continue
+                state[key] = t.reshape(()) if key == "step" else t.to(self.device)
+            if main is not None and f"main/{name}" in tensors:
+                main.data.copy_(tensors[f"main/{name}"].to(main.device))
+
+    def _optimizer_params(self) -> dict[str, tuple[torch.Tensor | None, dict]]:
+        """name -> (fp32 main copy or None, the torch optimizer's state dict for it)."""
+        by_id = {id(p): n for n, p in self._named_params().items()}
+        out: dict[str, tuple[torch.Tensor | None, dict]] = {}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            if hasattr(opt, "float16_groups"):  # mixed precision: model params and fp32 mains pair up
+                for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                    for p, main in zip(model_group, main_group):
+                        out[by_id[id(p)]] = (main, inner.state.setdefault(main, {}))
+                for group in opt.fp32_from_fp32_groups:
+                    for p in group:
+                        out[by_id[id(p)]] = (None, inner.state.setdefault(p, {}))
+            else:
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        out[by_id[id(p)]] = (None, inner.state.setdefault(p, {}))
+        return out
+
+    def _shard_file(self) -> str:
+        return (f"tp{self.tp_rank:02d}_pp{parallel_state.get_pipeline_model_parallel_rank():02d}"
+                f"_ep{self.ep_rank:02d}.safetensors")
+
+    def _layout_key(self) -> dict[str, Any]:
+        return {"tp": self.tp_size, "pp": self.cfg.pipeline_model_parallel_size,
+                "ep": self.cfg.expert_model_parallel_size, "params_dtype": self.cfg.params_dtype,
+                "padded_vocab_size": self.layout.padded_vocab_size, "layer_spec": self.cfg.layer_spec}
+
+    def _offload(self) -> None:
+        """CUDA only: weights, gradient buffers and Adam state to host memory while serving."""
+        if self.optimizer is not None:
+            self.optimizer.offload_to_cpu()
+        self.model.offload_grad_buffers()
+        for p in self.model.module.parameters():
+            if p.is_cuda:
+                p.data = p.data.cpu()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def _restore(self) -> None:
+        for p in self.model.module.parameters():
+            if not p.is_cuda:
+                p.data = p.data.to(self.device)
+        self.model.restore_grad_buffers()
+        if self.optimizer is not None:
+            self.optimizer.restore_from_cpu()
+        self._offloaded = False

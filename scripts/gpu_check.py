@@ -1,0 +1,399 @@
+"""The GPU check: the real stack on one GPU in <= 8 minutes; the last stdout line is one JSON object.
+
+A Qwen3-architecture model of Qwen3-0.6B's shape (random init, ~0.6 B parameters, bf16) goes
+through what a Gyre cell does on a cluster, with the production classes:
+
+1. SGLang serving (``cellrunner.engine_sglang.SGLangEngine``): start, load version 0 from the
+   Megatron trainer, concurrent ``/generate`` calls with log-probs (tokens/s).
+2. A role switch serve -> train, timed per phase (drain, release, trainer start).
+3. One Megatron GSPO step (``cellrunner.megatron_trainer.MegatronTrainer``, bf16, DDP + Megatron
+   optimizer) on the served samples; the served log-probs vs Megatron's recomputed ones on the
+   same weights (the train/inference mismatch).
+4. A role switch train -> serve with the new version, timed; the served weight_version checked.
+5. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
+6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes.
+
+Each stage runs in its own guard: a failure is recorded under ``errors`` and the check goes on
+where it can, so one run gives every figure it can. Not a test: nothing is asserted but shapes.
+
+    scripts/gpu_check.sh            # or: python scripts/gpu_check.py [--budget-s 450]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B); weights are a seeded random init.
+MODEL = dict(
+    name="qwen3-0.6b-shape", tokenizer="qwen", compact_ranks=1024, hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True, init_seed=0,
+)
+VOCAB = 151936  # Qwen3's padded embedding rows
+CHUNK_BYTES = 64 << 20
+
+
+class TimeUp(Exception):
+    """SIGTERM from scripts/gpu_check.sh's timeout: record it, skip the rest, still print the JSON."""
+
+
+class Report:
+    """Figures, per-stage errors and the time budget of one run."""
+
+    def __init__(self, budget_s: float):
+        self.t0 = time.monotonic()
+        self.budget_s = budget_s
+        self.figures: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, *, needs_s: float = 0.0, requires: bool = True) -> Iterator[bool]:
+        if not requires:
+            self.skipped.append(f"{name}: an earlier stage failed")
+            yield False
+            return
+        if self.left() < needs_s:
+            self.skipped.append(f"{name}: out of time")
+            yield False
+            return
+        t = time.monotonic()
+        print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
+        try:
+            yield True
+        except Exception as exc:  # record and go on: one run should give every figure it can
+            self.errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            self.figures.setdefault("stage_s", {})[name] = round(time.monotonic() - t, 3)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "sglang", "megatron-core", "mooncake-transfer-engine", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def post_generate(url: str, prompt: list[int], max_new_tokens: int) -> dict:
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        reply = json.loads(r.read())
+    if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict):
+        raise ValueError(f"/generate: unexpected reply {str(reply)[:200]}")
+    return reply
+
+
+def serve_batch(url: str, n: int, prompt_len: int, new_tokens: int, seed: int) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(n)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        replies = list(pool.map(lambda p: post_generate(url, p, new_tokens), prompts))
+    wall = time.perf_counter() - t
+    samples = []
+    for prompt, reply in zip(prompts, replies):
+        lp = reply["meta_info"].get("output_token_logprobs") or []
+        # SGLang's entry: [logprob, token_id, text]; tokens are taken from it, as slime does
+        samples.append({"prompt": prompt, "tokens": [int(e[1]) for e in lp], "logprobs": [float(e[0]) for e in lp],
+                        "version": reply["meta_info"].get("weight_version")})
+    return samples, wall
+
+
+def shard_from(samples: list[dict], step: int) -> Any:
+    from controller import wire
+
+    seqs = []
+    for i, s in enumerate(samples):
+        n_out = len(s["tokens"])
+        tokens = s["prompt"] + s["tokens"]
+        mask = [0] * len(s["prompt"]) + [1] * n_out
+        blp = [0.0] * len(s["prompt"]) + s["logprobs"]
+        seqs.append(wire.Sequence(execution_id=f"e{i}", tokens=tokens, target_mask=mask, behaviour_logprobs=blp,
+                                  advantage=1.0 if i % 2 else -1.0, token_weight=1.0 / max(n_out, 1)))
+    return wire.Shard(step=step, shard_id="gpu-check", num_executions=len(seqs), sequences=seqs)
+
+
+def logprob_mismatch(trainer: Any, samples: list[dict], k: int) -> dict[str, float]:
+    """Served log-probs vs Megatron's on the same weights (bf16 both sides)."""
+    import torch
+
+    from cellrunner.gspo import pack
+
+    batch = pack(list(shard_from(samples[:k], 0).sequences))
+    with torch.no_grad():
+        ids = batch.input_ids.to(trainer.device)
+        pos = torch.arange(ids.shape[1], device=trainer.device).expand_as(ids)
+        lp = trainer.token_logprobs(trainer.model(ids, pos, None), batch.targets.to(trainer.device)).float().cpu()
+    mask = batch.target_mask.bool()
+    diff = (lp[mask] - batch.behaviour_logprobs[mask]).abs()
+    return {"mean_abs": float(diff.mean()), "max_abs": float(diff.max()), "tokens": int(mask.sum())}
+
+
+def mooncake_pull(nbytes: int, protocols: list[str], report: Report) -> None:
+    """A child process reads ``nbytes`` of this process's GPU memory into its own, per protocol."""
+    import torch
+    from mooncake.engine import TransferEngine
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    checksum = int(src.sum(dtype=torch.int64))
+    results = {}
+    for protocol in protocols:
+        te = TransferEngine()
+        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            results[protocol] = {"error": f"initialize rc={rc}"}
+            continue
+        if te.register_memory(src.data_ptr(), nbytes) != 0:
+            results[protocol] = {"error": "register_memory failed"}
+            continue
+        session = f"127.0.0.1:{te.get_rpc_port()}"
+        cmd = [sys.executable, __file__, "--mooncake-reader", protocol, session, str(src.data_ptr()), str(nbytes),
+               str(checksum)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, min(120.0, report.left())))
+            last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+            results[protocol] = json.loads(last) if last.startswith("{") else {
+                "error": f"reader exited {out.returncode}: {out.stderr[-500:]}"}
+        except subprocess.TimeoutExpired:
+            results[protocol] = {"error": "reader timed out"}
+        te.unregister_memory(src.data_ptr())
+    report.figures["mooncake_pull"] = {"bytes": nbytes, **results}
+
+
+def mooncake_reader(protocol: str, session: str, remote: int, nbytes: int, checksum: int) -> None:
+    import torch
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") != 0:
+        print(json.dumps({"error": "reader initialize failed"}))
+        return
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    te.register_memory(dst.data_ptr(), nbytes)
+    offsets = list(range(0, nbytes, CHUNK_BYTES))
+    lens = [min(CHUNK_BYTES, nbytes - o) for o in offsets]
+    times = []
+    for _ in range(3):
+        dst.zero_()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        rc = te.batch_transfer_sync_read(session, [dst.data_ptr() + o for o in offsets],
+                                         [remote + o for o in offsets], lens)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        if rc != 0:
+            print(json.dumps({"error": f"batch_transfer_sync_read rc={rc}"}))
+            return
+    ok = int(dst.sum(dtype=torch.int64)) == checksum
+    best = min(times)
+    print(json.dumps({"gib_per_s_best": round(nbytes / best / 2**30, 3),
+                      "gib_per_s_median": round(nbytes / sorted(times)[1] / 2**30, 3),
+                      "seconds": [round(t, 4) for t in times], "verified": ok}))
+
+
+def run(args: argparse.Namespace) -> dict:
+    report = Report(args.budget_s)
+    figures = report.figures
+
+    def time_up(*_: Any) -> None:
+        report.budget_s = 0.0  # every later stage is skipped
+        raise TimeUp("terminated by the time limit")
+
+    signal.signal(signal.SIGTERM, time_up)
+    figures["versions"] = versions()
+    engine = trainer = None
+    samples: list[dict] = []
+    w = None
+    try:
+        import torch
+        import yaml
+
+        from cellrunner.config import ModelConfig
+        from cellrunner.engine_sglang import SGLangConfig, SGLangEngine
+        from cellrunner.megatron_trainer import MegatronConfig, MegatronTrainer
+        from controller.typed_config import build
+        from trajectory.config import AlgoConfig
+
+        figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        model_cfg = build(ModelConfig, MODEL)
+        algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
+                                  "lr": 1e-6, "max_tokens_per_microstep": 8192, "tree_packing": False})
+        sg_cfg = build(SGLangConfig, dict(
+            kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
+            mem_fraction_static=args.mem_fraction, dtype="bfloat16", context_length=2048,
+            disable_cuda_graph=args.disable_cuda_graph, weight_update="disk", weight_dir=args.work_dir,
+            hf_checkpoint="", startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[]))
+        mg_cfg = MegatronConfig(kind="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                expert_model_parallel_size=1, params_dtype="bfloat16", layer_spec="local",
+                                pad_vocab_to=128, hf_checkpoint="", offload_when_serving=True, moe_aux_loss_coeff=0.0)
+
+        with report.stage("sglang_start", needs_s=120) as go:
+            if go:
+                t = time.perf_counter()
+                engine = SGLangEngine(sg_cfg, model_cfg=model_cfg, vocab_size=VOCAB, host="127.0.0.1", port=0,
+                                      cell_id=0, max_running=args.requests, seed=0,
+                                      log_dir=os.path.join(args.work_dir, "logs"))
+                engine.start()
+                figures["sglang_start_s"] = round(time.perf_counter() - t, 2)
+
+        with report.stage("megatron_start", needs_s=60) as go:
+            if go:
+                t = time.perf_counter()
+                trainer = MegatronTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=mg_cfg)
+                trainer.start(None)
+                figures["megatron_start_s"] = round(time.perf_counter() - t, 2)
+                figures["parameters"] = sum(p.numel() for p in trainer.model.module.parameters())
+                t = time.perf_counter()
+                w = trainer.weights()
+                figures["hf_gather_s"] = round(time.perf_counter() - t, 3)
+                trainer.stop()  # the core offloads while it serves
+
+        with report.stage("load_v0", needs_s=30, requires=engine is not None and w is not None) as go:
+            if go:
+                t = time.perf_counter()
+                engine.resume(w)
+                figures["load_v0_s"] = round(time.perf_counter() - t, 3)
+                figures["weights_bytes_bf16"] = w.data.size * 2
+
+        with report.stage("serve", needs_s=30, requires=engine is not None and engine.weight_version == 0) as go:
+            if go:
+                samples, wall = serve_batch(engine.url, args.requests, args.prompt_len, args.new_tokens, seed=1)
+                n_tok = sum(len(s["tokens"]) for s in samples)
+                figures["serve"] = {"requests": len(samples), "output_tokens": n_tok, "wall_s": round(wall, 3),
+                                    "output_tokens_per_s": round(n_tok / wall, 1),
+                                    "logprobs_complete": all(len(s["logprobs"]) == args.new_tokens for s in samples),
+                                    "weight_versions": sorted({str(s["version"]) for s in samples})}
+
+        with report.stage("serve_to_train", needs_s=30, requires=engine is not None and trainer is not None) as go:
+            if go:
+                phases: dict[str, float] = {}
+                t = time.perf_counter()
+                figures["drain_aborted"] = engine.drain(5.0)
+                phases["drain"] = time.perf_counter() - t
+                t1 = time.perf_counter()
+                engine.release()
+                phases["release"] = time.perf_counter() - t1
+                t2 = time.perf_counter()
+                trainer.start(None)
+                phases["start_trainer"] = time.perf_counter() - t2
+                figures["serve_to_train"] = {"total_s": round(time.perf_counter() - t, 3),
+                                             **{k: round(v, 3) for k, v in phases.items()}}
+
+        with report.stage("gspo_step", needs_s=30, requires=trainer is not None and bool(samples)) as go:
+            if go:
+                figures["logprob_mismatch_served_vs_megatron"] = logprob_mismatch(trainer, samples, k=8)
+                shard = shard_from(samples, step=0)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                res = trainer.microstep(shard)
+                torch.cuda.synchronize()
+                fb = time.perf_counter() - t
+                t = time.perf_counter()
+                w, norm = trainer.apply([], num_executions=shard.num_executions)
+                apply_s = time.perf_counter() - t
+                figures["gspo_step"] = {"tokens": sum(len(s.tokens) for s in shard.sequences),
+                                        "target_tokens": res.num_tokens, "loss": res.loss, "mean_ratio": res.mean_ratio,
+                                        "clip_fraction": res.clip_fraction, "grad_norm": norm,
+                                        "fwd_bwd_s": round(fb, 3), "apply_and_gather_s": round(apply_s, 3),
+                                        "version": w.version,
+                                        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+        ready = engine is not None and trainer is not None and w is not None and w.version == 1
+        with report.stage("train_to_serve", needs_s=30, requires=ready) as go:
+            if go:
+                phases = {}
+                t = time.perf_counter()
+                trainer.stop()
+                phases["stop_trainer"] = time.perf_counter() - t
+                t1 = time.perf_counter()
+                engine.resume(w)
+                phases["resume_engine"] = time.perf_counter() - t1
+                figures["train_to_serve"] = {"total_s": round(time.perf_counter() - t, 3),
+                                             **{k: round(v, 3) for k, v in phases.items()}}
+                reply = post_generate(engine.url, [1000, 2000, 3000], 4)
+                figures["served_version_after_switch"] = reply["meta_info"].get("weight_version")
+
+        ready = engine is not None and w is not None and engine.weight_version is not None
+        with report.stage("weight_update", needs_s=20, requires=ready) as go:
+            if go:
+                from cellrunner.model import FlatWeights
+
+                w2 = FlatWeights(w.version + 1, w.specs, w.data)
+                t = time.perf_counter()
+                engine.update_weights(w2)
+                dt = time.perf_counter() - t
+                figures["weight_update"] = {"method": "update_weights_from_disk (/dev/shm, bf16)", "s": round(dt, 3),
+                                            "gib_per_s": round(w.data.size * 2 / dt / 2**30, 2)}
+
+        if args.skip_mooncake:
+            report.skipped.append("mooncake_pull: --skip-mooncake")
+        with report.stage("mooncake_pull", needs_s=20, requires=True) if not args.skip_mooncake \
+                else contextlib.nullcontext(False) as go:
+            if go:
+                if engine is not None:  # give the GPU memory back before the big buffers
+                    engine.stop()
+                    engine = None
+                mooncake_pull(args.mooncake_mib << 20, args.mooncake_protocols.split(","), report)
+    except TimeUp as exc:  # raised between stages
+        report.errors["time_limit"] = str(exc)
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.stop()
+    figures["wall_s"] = round(time.monotonic() - report.t0, 1)
+    return {"ok": not report.errors and not report.skipped, "errors": report.errors, "skipped": report.skipped,
+            **figures}
+
+
+def main() -> None:
+    if len(sys.argv) == 7 and sys.argv[1] == "--mooncake-reader":
+        _, _, protocol, session, remote, nbytes, checksum = sys.argv
+        mooncake_reader(protocol, session, int(remote), int(nbytes), int(checksum))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=450.0, help="stages that would not fit are skipped")
+    ap.add_argument("--work-dir", default="/dev/shm/gyre-gpu-check")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--mem-fraction", type=float, default=0.45)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--mooncake-mib", type=int, default=1024)
+    ap.add_argument("--mooncake-protocols", default="rdma,tcp", help="tried in order; each reported")
+    ap.add_argument("--skip-mooncake", action="store_true")
+    args = ap.parse_args()
+    result = run(args)
+    sys.stdout.flush()
+    print(json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

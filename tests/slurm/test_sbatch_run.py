@@ -157,3 +157,33 @@ def test_submitit_launcher_runs_a_short_job(slurm_env, tmp_path):
 
     refused = gyre(slurm_env, "launcher=submitit", folder, "cluster.num_cells=2")
     assert refused.returncode == 2 and "add cluster=slurm" in refused.stderr
+
+
+@pytest.mark.e2e
+def test_requeued_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
+    """`scontrol requeue` mid-run: the job starts again with the same id, finds runs/slurm-<id>/, and
+    the core resumes from its newest checkpoint instead of step 0."""
+    steps = 8
+    runs = tmp_path / "runs"
+    job = sbatch(slurm_env, tmp_path, f"run.steps={steps}", f"run.runs_dir={runs}", "run.checkpoint_every=1",
+                 "run.eval_at_end=false", *SHORT_RUN)
+    run_dir = run_dir_of(runs)
+    assert run_dir.name == f"slurm-{job}"
+    deadline = time.monotonic() + 180
+    while not any(e["weight_version"] >= 2 for e in events(run_dir, "step")):
+        assert time.monotonic() < deadline, "no step 2 within 180 s"
+        time.sleep(0.2)
+    slurm(slurm_env, "scontrol", "requeue", job)
+    # A requeued job waits ~2 min in PENDING (BeginTime) on this Slurm; start it now.
+    deadline = time.monotonic() + 60
+    while "BeginTime" not in slurm(slurm_env, "squeue", "-h", "-j", job, "-o", "%r"):
+        assert time.monotonic() < deadline, "the job did not go back to PENDING"
+        time.sleep(0.5)
+    slurm(slurm_env, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    state, code = wait_job(slurm_env, job, timeout_s=300)
+    assert (state, code) == ("COMPLETED", "0:0"), (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    resumed = [e["weight_version"] for e in events(run_dir, "resumed")]
+    assert len(resumed) == 1 and 2 <= resumed[0] < steps, resumed
+    versions = [e["weight_version"] for e in events(run_dir, "step")]
+    assert versions[-1] == steps and set(range(1, steps + 1)) <= set(versions)
+    assert (run_dir / "processor.1").is_dir() and (run_dir / f"checkpoints/v{steps}/model.safetensors").is_file()

@@ -3,31 +3,19 @@ its docstring promises. Values are not judged (timings never are), only present 
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from bench import processor, trajectory_cap, tree_packing
+from tests.bench import last_json as bench_json
 
 COMMON = {"config", "host", "versions"}
 
 
-@pytest.fixture(autouse=True)
-def keep_threads() -> Iterator[None]:
-    """The benchmarks pin torch to one thread; give the test process its setting back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def last_json(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], object], argv: list[str]) -> dict:
-    main(argv)
-    lines = capsys.readouterr().out.strip().splitlines()
-    out = json.loads(lines[-1])
-    assert isinstance(out, dict)
+    out = bench_json(capsys, main, argv)
     assert {"python", "torch", "transformers"} <= set(out["versions"])
     return out
 

@@ -5,28 +5,17 @@ exits otherwise), and every switch asked for was made, with each transfer, by re
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from bench import switch, transfer
-
-
-@pytest.fixture(autouse=True)
-def keep_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+from tests.bench import last_json as bench_json
 
 
 def last_json(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], object], argv: list[str]) -> dict:
-    returned = main(argv)
-    lines = capsys.readouterr().out.strip().splitlines()
-    out = json.loads(lines[-1])
-    assert out == json.loads(json.dumps(returned))
+    out = bench_json(capsys, main, argv)
     assert {"config", "host", "versions"} <= set(out)
     return out
 

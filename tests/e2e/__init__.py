@@ -1,0 +1,49 @@
+"""End-to-end runs of the real ``gyre`` (controller.main) as a subprocess, short and small."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
+         "workload.num_eval_tasks=4", "run.progress_every_s=5"]
+"""Overrides that keep a run to a few seconds a step on two cores."""
+
+
+def start_gyre(runs: Path, *overrides: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "controller.main", f"run.runs_dir={runs}", *SMALL, *overrides]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def run_dir_of(runs: Path, timeout_s: float = 30) -> Path:
+    """The run folder the controller creates under ``runs`` (waits for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [p for p in runs.glob("*") if p.is_dir() and not p.is_symlink()] if runs.exists() else []
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no run directory appeared under {runs}")
+
+
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """metrics.jsonl as it stands (a line being written is skipped), optionally one kind only."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if kind is None or event.get("kind") == kind:
+            out.append(event)
+    return out

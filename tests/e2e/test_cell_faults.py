@@ -7,10 +7,7 @@ core's final checkpoint at the last version.
 """
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,22 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e import metrics, run_dir_of, start_gyre
+
 STEPS = 4
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
 
 
 def kill_first_training_satellite(run_dir: Path, done: threading.Event, report: dict) -> None:
@@ -57,20 +41,8 @@ def kill_first_training_satellite(run_dir: Path, done: threading.Event, report: 
 @pytest.mark.e2e
 def test_satellite_killed_mid_step_loses_nothing(tmp_path):
     runs = tmp_path / "runs"
-    argv = [
-        sys.executable, "-m", "controller.main", f"run.steps={STEPS}", f"run.runs_dir={runs}",
-        "workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
-        "workload.num_eval_tasks=4", "run.eval_at_start=false", "run.progress_every_s=5",
-    ]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    run_dir = None
-    deadline = time.monotonic() + 30
-    while run_dir is None and time.monotonic() < deadline:
-        found = [p for p in runs.glob("*") if p.is_dir() and not p.is_symlink()] if runs.exists() else []
-        run_dir = found[0] if found else None
-        time.sleep(0.1)
-    assert run_dir is not None, "no run directory appeared"
+    proc = start_gyre(runs, f"run.steps={STEPS}", "run.eval_at_start=false")
+    run_dir = run_dir_of(runs)
     done, report = threading.Event(), {}
     t = threading.Thread(target=kill_first_training_satellite, args=(run_dir, done, report), daemon=True)
     t.start()

@@ -7,10 +7,7 @@ versions (the CallRecords say which version produced each call).
 """
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -29,9 +26,9 @@ from cellrunner.model import build_model, flatten_params
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
+from tests.e2e import ROOT, run_dir_of, start_gyre
 from trajectory.log import AppendLog
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
@@ -73,20 +70,8 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
 @pytest.mark.e2e
 def test_short_embedded_run(tmp_path):
     runs = tmp_path / "runs"
-    argv = [
-        sys.executable, "-m", "controller.main", f"run.steps={STEPS}", f"run.runs_dir={runs}",
-        "workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
-        "workload.num_eval_tasks=4", "run.progress_every_s=5",
-    ]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    run_dir = None
-    deadline = time.monotonic() + 30
-    while run_dir is None and time.monotonic() < deadline:
-        found = [p for p in runs.glob("*") if p.is_dir() and not p.is_symlink()] if runs.exists() else []
-        run_dir = found[0] if found else None
-        time.sleep(0.1)
-    assert run_dir is not None, "no run directory appeared"
+    proc = start_gyre(runs, f"run.steps={STEPS}")
+    run_dir = run_dir_of(runs)
     done, report = threading.Event(), {}
     t = threading.Thread(target=inject_faults, args=(run_dir, done, report), daemon=True)
     t.start()

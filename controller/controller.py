@@ -25,7 +25,7 @@ from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
 from controller.report import MetricsSink
-from controller.scheduler import SchedulerView, decide
+from controller.scheduler import SchedulerView, decide, launch_room, steps_to_plan
 from controller.slurm_launch import SlurmCells, resolve_host
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
@@ -298,6 +298,8 @@ class Controller:
     def on_microstep_done(self, ident: bytes, msg: wire.MicrostepDone) -> None:
         if self._cell(ident, msg.cell_id) is not None:
             self.steps.on_microstep_done(msg.cell_id, msg.step, msg.shard_id, msg.loss, msg.num_tokens)
+            self.metrics.log("microstep", t=time.monotonic() - self.t0, cell=msg.cell_id, step=msg.step,
+                             fb_s=msg.fb_s, num_tokens=msg.num_tokens)
 
     def on_grads_sent(self, ident: bytes, msg: wire.GradsSent) -> None:
         if self._cell(ident, msg.cell_id) is not None:
@@ -331,6 +333,8 @@ class Controller:
         cell = self._cell(ident, msg.cell_id)
         if cell is not None:
             cell.weight_version = msg.weight_version
+            self.metrics.log("weights_loaded", t=time.monotonic() - self.t0, cell=msg.cell_id,
+                             weight_version=msg.weight_version, load_s=msg.load_s)
 
     def on_shard_ready(self, ident: bytes, msg: wire.ShardReady) -> None:
         if self._is_peer(ident, "processor"):
@@ -378,7 +382,8 @@ class Controller:
         return self.cells.core.weights_addr
 
     def push_routing(self) -> None:
-        routes = tuple((c.cell_id, c.engine_url) for c in self.cells.in_phase("serving"))
+        floor = self.version_floor()
+        routes = tuple((c.cell_id, c.engine_url) for c in self.cells.in_phase("serving") if c.weight_version >= floor)
         if self.stage == "eval_end":
             routes = tuple((i, u) for i, u in routes if self.cells.cells[i].weight_version == self.steps.version)
         if routes == self.routed or "proxy" not in self.identities:
@@ -388,12 +393,19 @@ class Controller:
         self.send_to("proxy", wire.RoutingTable(
             version=self.routing_version, engines=[wire.EngineRoute(cell_id=i, url=u) for i, u in routes]))
 
+    def version_floor(self) -> int:
+        """Cells below this weight version may not serve: the newest running training step accepts
+        only versions >= its step - staleness, and an engine serves its old weights until a pull lands."""
+        steps = [ex.step for ex in self.executions.executions.values() if ex.state == "running" and ex.train]
+        return max(steps, default=0) - self.cfg.scheduler.staleness
+
     # ================================================================ executions
 
     def plan_steps(self) -> None:
         if self.stage != "train":
             return
-        limit = min(self.cfg.run.steps, self.steps.version + self.cfg.scheduler.staleness + 1)
+        limit = steps_to_plan(version=self.steps.version, staleness=self.cfg.scheduler.staleness,
+                              total_steps=self.cfg.run.steps)
         while self.planned_steps < limit:
             self.plan_groups(self.planned_steps, self.cfg.workload.groups_per_step, tag="g")
             self.planned_steps += 1
@@ -414,8 +426,8 @@ class Controller:
         self.evals.append(rnd)
 
     def launch_executions(self, now: float) -> None:
-        serving = len(self.cells.in_phase("serving"))
-        room = serving * self.cfg.scheduler.capacity_per_cell - self.executions.count("running")
+        # elastic keeps the core's slots free while the core is due to train (scheduler.launch_room)
+        room = launch_room(self.scheduler_view(), self.cfg.scheduler)
         if room <= 0:
             return
         # Eval first (it gates the stage), then the oldest step's groups.
@@ -459,6 +471,7 @@ class Controller:
             rollouts_pending=self.stage in ("train", "eval_start") and self.planned_steps < self.cfg.run.steps,
             train_demand=self.steps.train_demand() if self.stage == "train" else 0,
             step_rollouts_done=st is not None and st.rollouts_done,
+            steps_left=self.cfg.run.steps - self.steps.version,
         )
 
     def apply_schedule(self, now: float) -> None:

@@ -108,6 +108,10 @@ class ExecutionManager:
             "--temperature", str(ex.temperature),
             "--model", self.model_name,
         ]
+        think = self.cfg.think_time
+        if think.kind == "lognormal":  # long-tailed run lengths (workload.think_time, bench.elastic)
+            argv += ["--think-median-s", str(think.median_s), "--think-sigma", str(think.sigma),
+                     "--think-max-s", str(think.max_s), "--think-seed", str(think.seed)]
         env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
         out = open(self.work_dir / f"{ex.execution_id}.log", "wb")
         ex.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -1,15 +1,27 @@
 """Who serves and who trains: a pure function of a snapshot of the controller's state.
 
 ``decide(view, cfg) -> list[Switch]`` does no I/O and reads no clock, so the live controller, the
-simulator and replays run the same code. Cells in the middle of a switch are left alone; cells
-that are ``busy`` (holding microsteps, unsent gradients, or applying a step) keep their role.
+simulator (``controller/simulator.py``) and replays run the same code. Cells in the middle of a
+switch are left alone; cells that are ``busy`` (holding microsteps, unsent gradients, or applying
+a step) keep their role. ``launch_room`` says how many queued executions may start now and
+``steps_to_plan`` how many steps may have rollouts at a weight version (the staleness bound).
 
 Policies (same interface, same staleness bound, so they compare on equal terms):
-- ``elastic`` (water level): while there is training work, every serving cell beyond what the live
-  work needs turns to training, the core first; when live work would overflow the serving cells,
-  idle training cells turn back. With no training work, every cell serves.
+- ``elastic`` (water level), in order of precedence:
+  1. running work is never left without serving capacity: while the serving cells cannot hold
+     the running executions, idle training cells turn back, satellites first, the core last;
+  2. the core trains whenever the trainable step has training work: queued (not yet started)
+     executions wait for it rather than the other way round, and ``launch_room`` stops filling
+     the core while it is due to train, so its running work drains and it can go;
+  3. satellites beyond what all live work (queued + running) needs train, as many as there are
+     microsteps for them; an idle training satellite stays (a switch costs minutes on a cluster)
+     until live work needs it back;
+  4. ``min_serving_cells`` stand by for rollouts to come, except when nothing is live and the
+     trainable step's rollouts are all in: then no rollout can start before its update lands.
 - ``async``: fixed pools; the core and the next ``train_cells - 1`` cells train, the rest serve.
-- ``colocate``: everyone serves until the trainable step's rollouts are all in, then everyone trains.
+- ``colocate``: everyone serves until the trainable step's rollouts are all in, then everyone
+  trains (running executions wait for a serving cell meanwhile).
+Once nothing is left to train or roll out, every policy turns every cell to serving.
 """
 
 from __future__ import annotations
@@ -46,6 +58,10 @@ class SchedulerView:
     """Microsteps of the trainable step ready or in flight, plus 1 while its update is pending."""
     step_rollouts_done: bool
     """Every group of the trainable step has been graded (colocate waits for this)."""
+    steps_left: int | None = None
+    """Weight versions still to train (0 once the last update is applied). ``None``: the caller
+    does not say, and the run counts as over once nothing is live, pending or in demand, which
+    also holds for a moment while the last step's grades are in flight."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,10 @@ class Switch:
 
 def decide(view: SchedulerView, cfg: SchedulerConfig) -> list[Switch]:
     cells = [c for c in view.cells if c.phase != "dead"]
+    if _run_over(view):
+        # Every policy: nothing left to train or roll out, so every cell serves the last version
+        # (the controller's final stage waits for that before its closing eval).
+        return [Switch(c.cell_id, "serve") for c in cells if c.role == "train" and _movable(c)]
     if cfg.kind == "async":
         return _fixed_pools(cells, cfg)
     if cfg.kind == "colocate":
@@ -64,43 +84,128 @@ def decide(view: SchedulerView, cfg: SchedulerConfig) -> list[Switch]:
     return _water_level(view, cells, cfg)
 
 
+def steps_to_plan(*, version: int, staleness: int, total_steps: int) -> int:
+    """How many steps may have rollouts planned while ``version`` is the newest weight version.
+
+    Step ``s`` may start its rollouts once ``version >= s - staleness``, so every call it makes is
+    produced by a version its training accepts; all three policies share this bound."""
+    return max(0, min(total_steps, version + staleness + 1))
+
+
+def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
+    """Queued executions the controller may start now: the free slots of the cells serving now,
+    less the core's while ``elastic`` wants the core to train (rule 2)."""
+    serving = [c for c in view.cells if c.phase == "serving"]
+    slots = len(serving) * cfg.capacity_per_cell
+    if cfg.kind == "elastic" and len(serving) > 1 and any(c.is_core for c in serving) and _core_due(view):
+        slots -= cfg.capacity_per_cell
+    return max(0, slots - view.running)
+
+
 def serving_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
-    live = view.queued + view.running
-    need = math.ceil(live / cfg.capacity_per_cell)
-    if live > 0 or view.rollouts_pending:
+    """Cells that hold all live work (queued + running), at least ``min_serving_cells`` while
+    there is or will be rollout work."""
+    return _cells_for(view.queued + view.running, view, cfg, num_cells)
+
+
+def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
+    """Cells that hold the running executions: fewer serving cells would starve started work."""
+    return _cells_for(view.running, view, cfg, num_cells)
+
+
+def _cells_for(num_executions: int, view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
+    need = math.ceil(num_executions / cfg.capacity_per_cell)
+    if view.queued + view.running > 0 or (view.rollouts_pending and not _update_gates_rollouts(view)):
         need = max(need, cfg.min_serving_cells)
     return min(need, num_cells)
+
+
+def _update_gates_rollouts(view: SchedulerView) -> bool:
+    """Nothing is live and the trainable step's rollouts are all in: no rollout can start before
+    its update lands (the staleness bound), so no cell needs to stand by serving."""
+    return view.queued + view.running == 0 and view.step_rollouts_done and view.train_demand > 0
+
+
+def _run_over(view: SchedulerView) -> bool:
+    idle = view.train_demand <= 0 and not view.rollouts_pending and view.queued + view.running == 0
+    return idle and (view.steps_left is None or view.steps_left <= 0)
 
 
 def _movable(c: CellView) -> bool:
     return c.phase in STABLE and not c.busy
 
 
+def _core_due(view: SchedulerView) -> bool:
+    return view.train_demand > 0
+
+
 def _water_level(view: SchedulerView, cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:
-    need = serving_need(view, cfg, len(cells))
+    n = len(cells)
     serving = [c for c in cells if c.role == "serve"]
     training = [c for c in cells if c.role == "train"]
-    if view.train_demand <= 0:
-        return [Switch(c.cell_id, "serve") for c in training if _movable(c)]
+    core = next((c for c in cells if c.is_core), None)
+    back = _hold_live_work(view, cfg, n, serving, training)
+    if back:
+        return back
     # Only cells serving now hold work now: one still turning to serve does not free another.
-    spare = sum(1 for c in serving if c.phase == "serving") - need
-    if spare > 0:
-        # Core first (the step is applied there), then the least loaded, then who trained least.
-        order = sorted((c for c in serving if _movable(c)), key=lambda c: (not c.is_core, c.num_running, c.trained_s, c.cell_id))
-        return [Switch(c.cell_id, "train") for c in order[:spare]]
-    shortfall = need - len(serving)
-    if shortfall > 0:
-        # Live work would overflow the serving cells: idle satellites first, the core last.
-        back = sorted((c for c in training if _movable(c)), key=lambda c: (c.is_core, -c.trained_s, c.cell_id))
-        return [Switch(c.cell_id, "serve") for c in back[:shortfall]]
-    if spare < 0:
-        return []  # enough cells are on their way to serving
-    core = next((c for c in serving if c.is_core and _movable(c)), None)
+    holding = [c for c in serving if c.phase == "serving"]
+    out = _core_switch(view, cfg, n, core, holding, serving, training)
+    if out and out[0].role == "serve":
+        return out
+    core_trains = core is not None and (core.role == "train" or bool(out))
+    return out + _satellite_switches(view, cfg, n, core, core_trains, holding, serving, training)
+
+
+def _hold_live_work(view: SchedulerView, cfg: SchedulerConfig, n: int, serving: list[CellView],
+                    training: list[CellView]) -> list[Switch]:
+    """Rule 1: running work first (and all live work when nothing is left to train); idle
+    satellites come back before the core."""
+    short = running_need(view, cfg, n) - len(serving)
+    if view.train_demand <= 0:
+        short = max(short, serving_need(view, cfg, n) - len(serving))
+    back = sorted((c for c in training if _movable(c)), key=lambda c: (c.is_core, -c.trained_s, c.cell_id))
+    return [Switch(c.cell_id, "serve") for c in back[: max(0, short)]]
+
+
+def _core_switch(view: SchedulerView, cfg: SchedulerConfig, n: int, core: CellView | None, holding: list[CellView],
+                 serving: list[CellView], training: list[CellView]) -> list[Switch]:
+    """Rule 2: the core trains while its step has work, if the other cells hold the running work;
+    if they cannot, an idle satellite comes back to take its place (the update is applied on the
+    core alone), and the core goes once that one serves."""
+    if core is None or core.role != "serve" or not _movable(core) or not _core_due(view):
+        return []
+    if len(holding) - 1 >= running_need(view, cfg, n):
+        return [Switch(core.cell_id, "train")]
     idle = sorted((c for c in training if _movable(c) and not c.is_core), key=lambda c: c.cell_id)
-    if core is not None and idle:
-        # No cell to spare, but the step can only be applied on the core: swap it with a satellite.
-        return [Switch(core.cell_id, "train"), Switch(idle[0].cell_id, "serve")]
+    if idle and not any(c.phase == "to_serve" for c in serving):
+        return [Switch(idle[0].cell_id, "serve")]
     return []
+
+
+def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core: CellView | None, core_trains: bool,
+                        holding: list[CellView], serving: list[CellView], training: list[CellView]) -> list[Switch]:
+    """Rule 3: satellites against all live work (the core's share of it waits for the core): the
+    spare ones train, as many as there are microsteps for; idle ones stay until live work needs
+    them, and an idle core serves queued work when there is nothing to train."""
+    sat_serving = [c for c in holding if not c.is_core]
+    sat_training = [c for c in training if not c.is_core]
+    live_need = serving_need(view, cfg, n) - (0 if core_trains or core is None else 1)
+    spare = len(sat_serving) - max(live_need, running_need(view, cfg, n))
+    # The pending update (counted in train_demand once the rollouts are in) is the core's, and
+    # the core takes one microstep itself.
+    microsteps = view.train_demand - (1 if view.step_rollouts_done else 0)
+    wanted = microsteps - (1 if core_trains else 0) - len(sat_training)
+    if spare > 0 and wanted > 0:
+        order = sorted((c for c in sat_serving if _movable(c)), key=lambda c: (c.num_running, c.trained_s, c.cell_id))
+        return [Switch(c.cell_id, "train") for c in order[: min(spare, wanted)]]
+    if spare >= 0 or (core_trains and core is not None and core.role == "serve"):
+        return []
+    short = -spare - sum(1 for c in serving if c.phase == "to_serve")
+    idle = sorted((c for c in sat_training if _movable(c)), key=lambda c: (-c.trained_s, c.cell_id))
+    out = [Switch(c.cell_id, "serve") for c in idle[: max(0, short)]]
+    if short > len(idle) and core is not None and core.role == "train" and _movable(core) and not _core_due(view):
+        out.append(Switch(core.cell_id, "serve"))
+    return out
 
 
 def _fixed_pools(cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:

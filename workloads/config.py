@@ -7,6 +7,26 @@ from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
+class ThinkTimeConfig:
+    """Tool time the bundled harness spends after each model call, so runs have the long-tailed
+    lengths of real agent runs (``kind: none`` leaves the harness as fast as it can go)."""
+
+    kind: Literal["none", "lognormal"]
+    median_s: float
+    """Median of a run's total think time."""
+    sigma: float
+    """Log-normal shape: 1.0 puts about 1 run in 20 past 5x the median."""
+    max_s: float
+    """A run's total think time is capped here (set it past ``timeout_s`` to have runs time out)."""
+    seed: int
+    """A run's think time is a function of (seed, execution id): the same in every policy's run."""
+
+    def check(self) -> None:
+        if self.median_s <= 0 or self.sigma < 0 or self.max_s <= 0:
+            raise ValueError("think_time: want median_s > 0, sigma >= 0, max_s > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkloadConfig:
     name: Literal["wordmap"]
     harness: Literal["bundled"]
@@ -23,6 +43,7 @@ class WorkloadConfig:
     timeout_s: float
     """A harness run past this is killed and graded from its workspace (partial grading)."""
     task_seed: int
+    think_time: ThinkTimeConfig
 
     def check(self) -> None:
         if self.group_size < 2:

@@ -1,7 +1,8 @@
 """The bundled black-box harness: a file-writing agent that only speaks HTTP.
 
     python -m workloads.harness --base-url http://127.0.0.1:PORT/v1 --api-key TOKEN \\
-        --workspace DIR --max-turns N --max-tokens M --temperature T --model NAME
+        --workspace DIR --max-turns N --max-tokens M --temperature T --model NAME \\
+        [--think-median-s S --think-sigma X --think-max-s S --think-seed N]
 
 It reads ``TASK.md`` from its workspace (first line ``file: <name>``, then the prompt), asks an
 OpenAI-compatible Chat Completions endpoint (non-streaming, ``Authorization: Bearer TOKEN``),
@@ -9,6 +10,12 @@ and writes each reply, stripped, over the named file. After a write it reports
 ``wrote N bytes to NAME`` and asks again, up to ``--max-turns`` calls; an empty reply ends the
 run early. The assistant turns it sends back are the replies exactly as received, so a proxy can
 splice in the token ids it generated.
+
+With ``--think-median-s`` > 0 it also spends *think time* after each write, as an agent runs its
+tools: the run's total is log-normal around the median (``--think-sigma``), capped at
+``--think-max-s``, a function of (``--think-seed``, the workspace folder's name, which is the
+execution id) only, and split evenly over ``--max-turns``; ``think_times`` is that function, so a
+simulator can replay a run's lengths exactly. It prints ``harness: think <s>s over <n> turns``.
 
 Standard library only, and no Gyre imports: it is a stand-in for a third-party harness, and it
 starts in tens of milliseconds. Exit codes: 0 done; 2 a bad task file or an HTTP/API error
@@ -21,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import sys
 import time
@@ -137,11 +146,24 @@ def _reply_text(url: str, raw: bytes) -> str:
     return content
 
 
+def think_times(*, seed: int, execution_id: str, median_s: float, sigma: float, max_s: float,
+                turns: int) -> list[float]:
+    """Seconds of think time after each of a run's ``turns`` calls (see the module docstring)."""
+    rng = random.Random(f"gyre-think/{seed}/{execution_id}")
+    total = min(max_s, rng.lognormvariate(math.log(median_s), sigma))
+    return [total / turns] * turns
+
+
 def run(args: argparse.Namespace) -> None:
     workspace = Path(args.workspace)
     file_name, prompt = read_task(workspace)
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
-    for _ in range(args.max_turns):
+    think = [0.0] * args.max_turns
+    if args.think_median_s > 0:
+        think = think_times(seed=args.think_seed, execution_id=workspace.resolve().name, median_s=args.think_median_s,
+                            sigma=args.think_sigma, max_s=args.think_max_s, turns=args.max_turns)
+        print(f"harness: think {sum(think):.3f}s over {args.max_turns} turns", flush=True)
+    for turn in range(args.max_turns):
         reply = chat(args, messages)
         text = reply.strip()
         if not text:
@@ -152,6 +174,8 @@ def run(args: argparse.Namespace) -> None:
             raise HarnessError(f"cannot write {file_name}: {exc}") from None
         messages.append({"role": "assistant", "content": reply})
         messages.append({"role": "user", "content": wrote_message(num_bytes, file_name)})
+        if think[turn] > 0:
+            time.sleep(think[turn])  # the "tools" run; a run killed meanwhile keeps its last write
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -164,9 +188,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--model", default="gyre-policy")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--think-median-s", type=float, default=0.0, help="0: no think time")
+    p.add_argument("--think-sigma", type=float, default=1.0)
+    p.add_argument("--think-max-s", type=float, default=40.0)
+    p.add_argument("--think-seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.max_turns < 1 or args.max_tokens < 1:
         p.error("--max-turns and --max-tokens: want >= 1")
+    if not (math.isfinite(args.think_median_s) and args.think_median_s >= 0 and args.think_sigma >= 0
+            and math.isfinite(args.think_max_s) and args.think_max_s > 0):
+        p.error("--think-median-s >= 0, --think-sigma >= 0 and --think-max-s > 0, all finite")
     return args
 
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,11 +96,12 @@ def _workspace(tmp_path: Path, file_name: str = "out_12.txt", prompt: str = "Tic
     return ws
 
 
-def _run(ws: Path, port: int, *, max_turns: int = 2, timeout_s: float = 60) -> subprocess.CompletedProcess:
+def _run(ws: Path, port: int, *, max_turns: int = 2, timeout_s: float = 60, extra: tuple[str, ...] = ()
+         ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "workloads.harness", "--base-url", f"http://127.0.0.1:{port}/v1",
          "--api-key", TOKEN, "--workspace", str(ws), "--max-turns", str(max_turns), "--max-tokens", "3",
-         "--temperature", "1.0", "--model", "gyre-policy"],
+         "--temperature", "1.0", "--model", "gyre-policy", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
     )
 
@@ -205,3 +207,53 @@ def test_harness_imports_only_the_standard_library():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.replace("'", '"')) == []
+
+
+# ---------------------------------------------------------------- think time (long-tailed run lengths)
+
+
+def _think(execution_id: str, *, seed: int = 0, median_s: float = 2.0, sigma: float = 1.0, max_s: float = 40.0,
+           turns: int = 3) -> list[float]:
+    return harness.think_times(seed=seed, execution_id=execution_id, median_s=median_s, sigma=sigma, max_s=max_s,
+                               turns=turns)
+
+
+def test_think_times_are_a_function_of_seed_and_execution():
+    assert _think("s3-g1-e5") == _think("s3-g1-e5")
+    assert _think("s3-g1-e5") != _think("s3-g1-e6")
+    assert _think("s3-g1-e5", seed=1) != _think("s3-g1-e5")
+    split = _think("s0-g0-e0", turns=4)
+    assert len(split) == 4 and len(set(split)) == 1  # split evenly over the turns
+
+
+def test_think_times_are_long_tailed_around_the_median_and_capped():
+    totals = sorted(sum(_think(f"s{i}-g0-e0", max_s=1e9)) for i in range(4000))
+    assert 1.8 < totals[len(totals) // 2] < 2.2
+    assert totals[int(0.95 * len(totals))] > 5 * 2.0 * 0.9  # sigma 1: ~5% of runs past 5x the median
+    assert max(sum(_think(f"s{i}-g0-e0", max_s=3.0)) for i in range(500)) == pytest.approx(3.0)
+    assert sum(_think("x", sigma=0.0, median_s=0.7)) == pytest.approx(0.7)
+
+
+def test_think_time_runs_after_each_write_and_is_announced(tmp_path: Path, serve):
+    server = serve(Reply(text="a"), Reply(text="b"))
+    ws = _workspace(tmp_path)
+    t0 = time.monotonic()
+    proc = _run(ws, server.port, max_turns=2, extra=("--think-median-s", "0.6", "--think-sigma", "0"))
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "harness: think 0.600s over 2 turns"
+    assert len(server.requests) == 2 and elapsed >= 0.6  # 0.3 s after each of the two writes
+
+
+def test_no_think_time_by_default(tmp_path: Path, serve):
+    server = serve(Reply(text="a"))
+    proc = _run(_workspace(tmp_path), server.port, max_turns=1)
+    assert proc.returncode == 0 and proc.stdout == ""
+
+
+@pytest.mark.parametrize("bad", [("--think-median-s", "-1"), ("--think-max-s", "0"), ("--think-sigma", "-0.5"),
+                                 ("--think-median-s", "nan")])
+def test_bad_think_arguments_exit_2(tmp_path: Path, serve, bad):
+    server = serve(Reply())
+    proc = _run(_workspace(tmp_path), server.port, extra=bad)
+    assert proc.returncode == 2 and "think" in proc.stderr and server.requests == []

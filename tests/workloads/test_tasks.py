@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from workloads import harness
-from workloads.config import WorkloadConfig
+from workloads.config import ThinkTimeConfig, WorkloadConfig
 from workloads.tasks import TOPICS, Task, make_tasks, task_file_text, write_task_file
 
 
@@ -18,6 +18,7 @@ def _cfg(**changes) -> WorkloadConfig:
         name="wordmap", harness="bundled", num_train_tasks=256, num_eval_tasks=16, groups_per_step=4,
         group_size=8, min_usable_per_group=4, max_turns=1, max_new_tokens=3, temperature=1.0,
         timeout_s=30.0, task_seed=1234,
+        think_time=ThinkTimeConfig(kind="none", median_s=2.0, sigma=1.0, max_s=40.0, seed=0),
     )
     return dataclasses.replace(base, **changes)
 

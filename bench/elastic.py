@@ -1,0 +1,277 @@
+"""Elastic vs async vs colocate on the real embedded system: time to the same number of steps.
+
+    .venv/bin/python -m bench.elastic [--quick] [--steps N] [--policies elastic,async,colocate]
+                                      [--out runs/bench-elastic/result.json] [--root DIR]
+
+Each policy runs once, in turn, as a real ``gyre`` (``python -m controller.main`` with Hydra
+overrides, from ``--root``, this checkout by default): the same workload, the same 4 cells, the
+same staleness bound (``scheduler.staleness``, the default 1, for all three). The workload is the
+bundled one with long-tailed harness durations (``workload.think_time``: log-normal think time
+after each call, a function of the execution id, so every policy sees the same runs) and a model
+large enough that training a step costs about as much as the rollout tail
+(``BENCH_OVERRIDES``; the reasons are in the overrides' comments).
+
+Measured per run, from ``runs/<id>/``: ``train_s`` = time from the controller's first tick to the
+last step's update (``metrics.jsonl``: ``progress`` and ``step`` events; process start-up is left
+out), cells' switches and phases (``summary.json``), call latencies and the weight version of every
+call (the processor's log of CallRecords: the staleness bound is checked on the real calls), and
+microstep and weight-load times where the controller logs them (``microstep`` and
+``weights_loaded`` events). The result file keeps everything ``bench.simulate --calibrate`` needs.
+
+Ratios are ``train_s(other) / train_s(elastic)``: above 1, elastic reached the last step sooner.
+One run per policy on a shared 2-core machine: expect +-10-20% between repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from controller import wire
+from trajectory.log import AppendLog, decode_marker
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ("elastic", "async", "colocate")
+RUN_TIMEOUT_S = 900
+
+# The workload: what every policy runs. Think time is long-tailed (log-normal, sigma 1, median
+# 1.5 s over 3 calls) and runs past 10 s are killed and graded as they are (many near the
+# timeout). The model is 4 layers x 448 wide and shards hold ~400 tokens, so a step is 16
+# microsteps of ~0.7 s on one core: training a step costs about as much as the rollout tail,
+# the regime where the policies differ (with the tiny default model training is free and all
+# three wait on the same timeout).
+BENCH_OVERRIDES = (
+    "run.eval_at_start=false", "run.eval_at_end=false", "run.progress_every_s=5",
+    "workload.max_turns=3", "workload.timeout_s=10",
+    "workload.think_time.kind=lognormal", "workload.think_time.median_s=1.5",
+    "workload.think_time.sigma=1.0", "workload.think_time.max_s=12", "workload.think_time.seed=0",
+    "model.hidden_size=448", "model.intermediate_size=1792", "model.num_hidden_layers=4",
+    "algo.max_tokens_per_microstep=400",
+)
+FULL_STEPS = 20
+# --quick: the plumbing only (tiny default model, short think time), a couple of steps.
+QUICK_OVERRIDES = (
+    "run.eval_at_start=false", "run.eval_at_end=false", "run.progress_every_s=5",
+    "workload.max_turns=2", "workload.timeout_s=5",
+    "workload.think_time.kind=lognormal", "workload.think_time.median_s=0.3",
+    "workload.think_time.sigma=1.0", "workload.think_time.max_s=2", "workload.think_time.seed=0",
+)
+QUICK_STEPS = 2
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def run_policy(policy: str, *, root: Path, runs_dir: Path, steps: int, overrides: tuple[str, ...]) -> Path:
+    """Run gyre once; return its run directory."""
+    args = [sys.executable, "-m", "controller.main", f"scheduler={policy}", f"run.steps={steps}",
+            f"run.runs_dir={runs_dir}", f"run.name=bench-{policy}", *overrides]
+    log_path = runs_dir / f"bench-{policy}.log"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    t0 = time.monotonic()
+    with open(log_path, "wb") as out:
+        proc = subprocess.run(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        raise BenchError(f"{policy}: gyre exited {proc.returncode}; see {log_path}:\n{text[-2000:]}")
+    marker = "report in "
+    line = next((ln for ln in text.splitlines() if marker in ln), "")
+    if not line:
+        raise BenchError(f"{policy}: no 'report in' line in {log_path}")
+    run_dir = Path(line.split(marker, 1)[1].strip()).parent
+    if not run_dir.is_absolute():
+        run_dir = root / run_dir
+    print(f"{policy}: done in {time.monotonic() - t0:.0f}s -> {run_dir}", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    events: dict[str, list[dict[str, Any]]] = {}
+    for i, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise BenchError(f"{run_dir}/metrics.jsonl:{i + 1}: not JSON") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str) or not isinstance(obj.get("t"), (int, float)):
+            raise BenchError(f"{run_dir}/metrics.jsonl:{i + 1}: want an object with 'kind' and 't'")
+        events.setdefault(obj["kind"], []).append(obj)
+    return events
+
+
+def read_calls(run_dir: Path) -> list[wire.CallRecord]:
+    """Every CallRecord the processor accepted (its crash-safe log), decoded and validated."""
+    log = AppendLog(run_dir / "processor" / "processor.log", fsync=False)
+    try:
+        out = []
+        for payload in log.replay():
+            if decode_marker(payload) is not None:
+                continue
+            msg = wire.decode(payload)  # ProtocolError on a bad frame: the bench stops, loudly
+            if isinstance(msg, wire.CallRecord):
+                out.append(msg)
+        return out
+    finally:
+        log.close()
+
+
+def step_of(execution_id: str) -> int | None:
+    """Training executions are named ``s<step>-<group>-e<i>`` by the controller."""
+    head = execution_id.split("-", 1)[0]
+    return int(head[1:]) if head.startswith("s") and head[1:].isdigit() else None
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("steps") != steps or summary.get("scheduler") != policy:
+        raise BenchError(f"{policy}: {run_dir}/summary.json says steps={summary.get('steps')} "
+                         f"scheduler={summary.get('scheduler')}, want {steps} and {policy}")
+    ev = read_metrics(run_dir)
+    if not ev.get("progress") or len(ev.get("step", [])) != steps:
+        raise BenchError(f"{policy}: {run_dir}/metrics.jsonl lacks progress events or {steps} step events")
+    t_start = ev["progress"][0]["t"]
+    step_t = sorted(e["t"] for e in ev["step"])
+    calls = read_calls(run_dir)
+    # Only what an engine produced: the proxy's hang-up records (cell -1, no output) carry no tokens.
+    lags = [s - c.weight_version for c in calls
+            if c.cell_id >= 0 and c.output_ids and (s := step_of(c.execution_id)) is not None]
+    switches = ev.get("switch", [])
+    work = run_dir / "work"
+    logs = sorted(work.glob("s*-e*.log"))
+    think_lines = sum(1 for p in logs if p.read_text(errors="replace").startswith("harness: think "))
+    return {
+        "run_dir": str(run_dir),
+        "train_s": step_t[-1] - t_start,
+        "step_done_s": [t - t_start for t in step_t],
+        "cells": summary["cells"],
+        "switches": sum(c["switches"] for c in summary["cells"]),
+        "executions_timed_out": summary.get("executions_timed_out"),
+        "executions_crashed": summary.get("executions_crashed"),
+        "groups_dropped": summary.get("groups_dropped"),
+        "num_calls": len(calls),
+        "max_staleness_seen": max(lags) if lags else None,
+        "stale_calls": sum(1 for lag in lags if lag > staleness),
+        "staleness_ok": bool(lags) and max(lags) <= staleness,
+        "think_time_applied": bool(logs) and think_lines == len(logs),
+        "call_s": sorted(c.finished_at - c.started_at for c in calls),
+        "to_train_s": [e["total_s"] for e in switches if e.get("role") == "train"],
+        "to_serve_s": [e["total_s"] for e in switches if e.get("role") == "serve"],
+        "pull_s": [e["phases_s"]["pull"] for e in switches if "pull" in e.get("phases_s", {})],
+        "apply_s": [e["apply_s"] for e in ev["step"] if "apply_s" in e],
+        "microstep_s": [e["fb_s"] for e in ev.get("microstep", [])],
+        "microsteps": len(ev.get("microstep", [])),
+        "load_s": [e["load_s"] for e in ev.get("weights_loaded", [])],
+    }
+
+
+def harness_start_s(root: Path, repeats: int = 5) -> float:
+    """Seconds from spawning the bundled harness to its first line of work (interpreter + imports)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    times = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import workloads.harness"], cwd=root, env=env, check=True)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
+
+
+def pooled(results: dict[str, dict[str, Any]], key: str) -> float | None:
+    return median([v for r in results.values() for v in r[key]])
+
+
+def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], launch_s: float) -> dict[str, Any]:
+    """The JSON line: ratios, per-policy figures, and the pooled timings the simulator needs."""
+    e = results.get("elastic")
+    ratio = {k: results[k]["train_s"] / e["train_s"] for k in results if e and k != "elastic"}
+    microsteps_per_step = [r["microsteps"] / config["steps"] for r in results.values() if r["microsteps"]]
+    calibration = {
+        "to_train_s": pooled(results, "to_train_s"), "to_serve_s": pooled(results, "to_serve_s"),
+        "weight_transfer_s": pooled(results, "load_s") or pooled(results, "pull_s"),
+        "apply_s": pooled(results, "apply_s"), "microstep_s": pooled(results, "microstep_s"),
+        "microsteps_per_step": median(microsteps_per_step),
+        "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
+        "call_s_median": pooled(results, "call_s"), "launch_s": launch_s,
+    }
+    per_policy = {
+        k: {kk: vv for kk, vv in r.items() if kk not in ("call_s", "to_train_s", "to_serve_s", "pull_s", "apply_s",
+                                                         "microstep_s", "load_s")}
+        for k, r in results.items()
+    }
+    return {
+        "elastic_vs_async": ratio.get("async"), "elastic_vs_colocate": ratio.get("colocate"),
+        **{f"{k}_s": r["train_s"] for k, r in results.items()},
+        "staleness_ok": all(r["staleness_ok"] for r in results.values()),
+        "think_time_applied": all(r["think_time_applied"] for r in results.values()),
+        "policies": per_policy, "calibration": calibration, "config": config, **run_info(),
+    }
+
+
+def run_info() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {
+        "host": {"machine": platform.machine(), "system": f"{platform.system()} {platform.release()}",
+                 "cpu_count": os.cpu_count(), "loadavg_1m_at_end": round(load[0], 2)},
+        "versions": {"python": sys.version.split()[0]},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    e = results.get("elastic", {}).get("train_s")
+    print(f"{'policy':9s} {'train_s':>8s} {'vs elastic':>10s} {'switches':>8s} {'timed out':>9s} {'max lag':>7s}")
+    for k, r in results.items():
+        rel = f"{r['train_s'] / e:.2f}x" if e else "-"
+        print(f"{k:9s} {r['train_s']:8.1f} {rel:>10s} {r['switches']:8d} {r['executions_timed_out']!s:>9s} "
+              f"{r['max_staleness_seen']!s:>7s}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, short think time, 2 steps")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to run gyre from")
+    ap.add_argument("--runs-dir", type=Path, default=None, help="default: <root>/runs/bench-elastic")
+    ap.add_argument("--out", type=Path, default=None, help="result file; default <runs-dir>/result.json")
+    args = ap.parse_args(argv)
+    policies = tuple(p for p in args.policies.split(",") if p)
+    if not policies or any(p not in POLICIES for p in policies):
+        ap.error(f"--policies: a comma list of {POLICIES}")
+    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    overrides = QUICK_OVERRIDES if args.quick else BENCH_OVERRIDES
+    runs_dir = (args.runs_dir or args.root / "runs" / "bench-elastic").resolve()
+    staleness = 1  # conf/scheduler/*.yaml: the same bound for all three policies
+    results = {}
+    for policy in policies:
+        run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, overrides=overrides)
+        results[policy] = measure(policy, run_dir, steps=steps, staleness=staleness)
+    if not args.quick and not all(r["think_time_applied"] for r in results.values()):
+        raise BenchError("the harness ran without think time: controller/executions.py must pass "
+                         "workload.think_time to workloads.harness (--think-* arguments)")
+    config = {"steps": steps, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
+              "quick": args.quick, "root": str(args.root)}
+    out = summarise(results, config=config, launch_s=harness_start_s(args.root))
+    out_path = args.out or runs_dir / "result.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({**out, "raw": results}, indent=1))
+    print_table(results)
+    print(f"result file: {out_path}", file=sys.stderr)
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

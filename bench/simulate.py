@@ -1,0 +1,224 @@
+"""The simulator's table (workload x policy, hours) and its calibration against the embedded system.
+
+    .venv/bin/python -m bench.simulate [--quick] [--traces bench/traces] [--calibrate RESULT.json]
+
+Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
+run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
+staleness bound for all three): hours to the trace's last step, elastic's ratio against async and
+colocate, and the share of runs cut at the timeout (a policy that stalls running work while every
+cell trains lets more runs hit the timeout: it trains on shorter runs). The reference's hours are
+printed beside the trace that carries them.
+
+Calibration: ``--calibrate`` takes a ``bench.elastic`` result file. The simulator is given that
+run's setup (4 cells, capacity, workload, staleness, and the think time of every execution, from
+the same function the harness used) and its measured costs (median switch times, weight loads,
+microstep and apply times, call latency, harness start), simulates each policy, and
+``calibration_error`` is the larger of |predicted ratio - measured ratio| / measured over
+``elastic_vs_async`` and ``elastic_vs_colocate``. Without a result file it is null, with the reason.
+No value is ever filled in that was not measured; ``assumed`` lists the two that are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controller.simulator import RunSource, SimResult, simulate
+from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace
+from workloads.harness import think_times
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = Path(__file__).resolve().parent / "traces"
+POLICIES = ("elastic", "async", "colocate")
+QUICK_STEPS = 6
+GRADE_S_ASSUMED = 0.05
+"""Embedded: last run of a group ends -> its shards reach the controller (grading, processor)."""
+GRAD_TRANSFER_S_ASSUMED = 0.02
+"""Embedded: a satellite's gradient push (a few MB over local ZeroMQ)."""
+
+
+# ---------------------------------------------------------------- the table
+
+
+def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(trace_dir.glob("*.json"), key=lambda p: (not p.stem.startswith("p2_4t"), p.stem)):
+        trace = load_trace(path)
+        if quick:
+            trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=QUICK_STEPS))
+        res = {k: simulate(trace, k, seed=seed) for k in POLICIES}
+        e = res["elastic"].makespan_s
+        rows.append({
+            "trace": trace.name, "description": trace.description, "steps": trace.workload.steps,
+            "nodes": trace.cells.num_cells * trace.cells.nodes_per_cell, "cells": trace.cells.num_cells,
+            "hours": {k: r.makespan_h for k, r in res.items()},
+            "vs_async": res["async"].makespan_s / e, "vs_colocate": res["colocate"].makespan_s / e,
+            "timed_out_share": {k: r.num_timed_out / max(1, r.num_executions) for k, r in res.items()},
+            "switches": {k: sum(r.switches) for k, r in res.items()},
+            "max_staleness": {k: r.max_staleness for k, r in res.items()},
+            "reference_h": trace.reference_h,
+        })
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("| workload | nodes | elastic h | async h | colocate h | vs Async | vs Colocate | timed out e/a/c | reference |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        h, to, ref = r["hours"], r["timed_out_share"], r["reference_h"]
+        ref_s = (f"{ref['elastic']:.2f} / {ref['async']:.2f} / {ref['colocate']:.2f} h = "
+                 f"{ref['async'] / ref['elastic']:.2f}x / {ref['colocate'] / ref['elastic']:.2f}x") if ref else ""
+        print(f"| {r['trace']} | {r['nodes']} | {h['elastic']:.2f} | {h['async']:.2f} | {h['colocate']:.2f} | "
+              f"{r['vs_async']:.2f}x | {r['vs_colocate']:.2f}x | "
+              f"{to['elastic']:.0%} / {to['async']:.0%} / {to['colocate']:.0%} | {ref_s} |")
+
+
+# ---------------------------------------------------------------- calibration
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"{path}: not a readable JSON file: {exc}") from None
+    for key in ("elastic_vs_async", "elastic_vs_colocate", "calibration", "config", "host"):
+        if key not in res:
+            raise CalibrationError(f"{path}: no '{key}': not a bench.elastic result file")
+    for key in ("elastic_vs_async", "elastic_vs_colocate"):
+        if not isinstance(res[key], (int, float)) or res[key] <= 0:
+            raise CalibrationError(f"{path}: {key} = {res[key]!r}: the run did not measure all three policies")
+    return res
+
+
+def embedded_setup(result: dict[str, Any]) -> dict[str, Any]:
+    """The run's configuration: conf/ defaults with the run's overrides applied."""
+    conf = ROOT / "conf"
+    cfg = {
+        "workload": yaml.safe_load((conf / "workload" / "wordmap.yaml").read_text()),
+        "scheduler": yaml.safe_load((conf / "scheduler" / "elastic.yaml").read_text()),
+        "cluster": yaml.safe_load((conf / "cluster" / "local.yaml").read_text()),
+    }
+    for item in result["config"]["overrides"]:
+        key, _, value = item.partition("=")
+        parts = key.split(".")
+        if parts[0] not in cfg:
+            continue
+        node = cfg[parts[0]]
+        for p in parts[1:-1]:
+            node = node[p]
+        node[parts[-1]] = yaml.safe_load(value)
+    return cfg
+
+
+def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]:
+    """The bench.elastic setup as a trace; the runs replay the harness's own think times."""
+    cal, cfg = result["calibration"], embedded_setup(result)
+    wl, sch, cl = cfg["workload"], cfg["scheduler"], cfg["cluster"]
+    missing = [k for k in ("microstep_s", "microsteps_per_step", "to_train_s", "to_serve_s", "weight_transfer_s",
+                           "apply_s", "call_s_p25", "launch_s") if not isinstance(cal.get(k), (int, float))]
+    if missing:
+        raise CalibrationError(f"not measured in the result file: {missing} (microstep times need the "
+                               "controller's 'microstep' metrics events)")
+    per_group = max(1, round(cal["microsteps_per_step"] / wl["groups_per_step"]))
+    cells = CellCosts(
+        num_cells=cl["num_cells"], nodes_per_cell=1, capacity_per_cell=sch["capacity_per_cell"],
+        to_train_s=cal["to_train_s"], to_serve_s=cal["to_serve_s"], weight_transfer_s=cal["weight_transfer_s"],
+        grad_transfer_s=GRAD_TRANSFER_S_ASSUMED, microstep_s=cal["microstep_s"], apply_s=cal["apply_s"],
+        compute_slots=int(result["host"]["cpu_count"]), reroute_s=0.0,
+    )
+    shape = WorkloadShape(
+        steps=result["config"]["steps"], groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
+        timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_group, launch_s=cal["launch_s"],
+        grade_s=GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
+    )
+    trace = Trace(name="embedded", description="bench.elastic's setup, measured costs", generator="bench.simulate",
+                  cells=cells, workload=shape, reference_h=None, phases=(Phase(name="all", first_step=0, runs=(0, 1)),),
+                  executions=((0.0, 0.0),))
+    think, turns, call_s = wl["think_time"], wl["max_turns"], cal["call_s_p25"]
+
+    def runs(execution_id: str, _step: int) -> tuple[float, ...]:
+        out: list[float] = []
+        if think["kind"] == "none":
+            return (call_s, 0.0) * turns
+        for t in think_times(seed=think["seed"], execution_id=execution_id, median_s=think["median_s"],
+                             sigma=think["sigma"], max_s=think["max_s"], turns=turns):
+            out += [call_s, t]
+        return tuple(out)
+
+    assumed = [f"grade_s={GRADE_S_ASSUMED}", f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"]
+    return trace, runs, assumed
+
+
+def calibrate(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {"error": None, "reason": "no bench.elastic result file given (--calibrate runs/bench-elastic/result.json)"}
+    try:
+        result = load_result(path)
+        trace, runs, assumed = embedded_trace(result)
+    except (CalibrationError, TraceError, OSError, KeyError, TypeError) as exc:
+        return {"error": None, "reason": f"cannot calibrate: {exc}"}
+    sims: dict[str, SimResult] = {k: simulate(trace, k, runs=runs) for k in POLICIES}
+    predicted = {f"elastic_vs_{k}": sims[k].makespan_s / sims["elastic"].makespan_s for k in ("async", "colocate")}
+    measured = {k: result[k] for k in predicted}
+    errors = {k: abs(predicted[k] - measured[k]) / measured[k] for k in predicted}
+    return {
+        "error": max(errors.values()), "errors": errors, "predicted": predicted, "measured": measured,
+        "predicted_s": {k: r.makespan_s for k, r in sims.items()},
+        "measured_s": {k: result.get(f"{k}_s") for k in POLICIES},
+        "result_file": str(path), "trace": dataclasses.asdict(trace.cells) | dataclasses.asdict(trace.workload),
+        "assumed": assumed, "reason": "",
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"only the first {QUICK_STEPS} steps of each trace")
+    ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument("--calibrate", type=Path, default=None, help="a bench.elastic result file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    rows = table(args.traces, quick=args.quick, seed=args.seed)
+    if not rows:
+        ap.error(f"no traces in {args.traces}")
+    print_table(rows)
+    cal = calibrate(args.calibrate)
+    if cal["error"] is None:
+        print(f"calibration: none ({cal['reason']})")
+    else:
+        print(f"calibration against {cal['result_file']}: predicted {cal['predicted']}, measured {cal['measured']}, "
+              f"error {cal['error']:.3f}")
+    p24 = next((r for r in rows if r["trace"] == "p2_4t"), None)
+    out = {
+        "p2_4t_vs_async": p24["vs_async"] if p24 else None,
+        "p2_4t_vs_colocate": p24["vs_colocate"] if p24 else None,
+        "calibration_error": cal["error"],
+        "calibration": cal, "table": rows,
+        "config": {"traces": str(args.traces), "quick": args.quick, "seed": args.seed,
+                   "sim_wall_s": round(time.monotonic() - t0, 2)},
+        "host": {"machine": platform.machine(), "system": f"{platform.system()} {platform.release()}",
+                 "cpu_count": os.cpu_count()},
+        "versions": {"python": sys.version.split()[0]},
+    }
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

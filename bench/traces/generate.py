@@ -1,0 +1,160 @@
+"""Write the simulator's trace files, seeded: ``python -m bench.traces.generate [--seed 0] [--out DIR]``.
+
+The traces are shaped like the reference system's workloads (the issue's numbers; nothing here is
+a measurement of that system, whose own traces are not public):
+
+- ``p2_4t``: a 2.4T-parameter model on 192 nodes = 4 cells x 48 nodes; ~700k tokens per
+  execution, runs of hours with a long tail and many near or past the 2 h timeout, 48 steps.
+  Fitted by hand (timeout, live executions per cell, microstep time) so that the simulator,
+  running the water-level rule this repository started with, lands near all three of the
+  reference's figures: 76.0 h elastic, 132.4 h async, 88.9 h colocate against 75.42 / 134.55 /
+  91.47 h. What an improved policy does on it is then the simulator's prediction.
+- ``nl2repo_122b``, ``deepswe_122b``: a 122B model on 32 nodes = 4 cells x 8; NL2Repo-like runs
+  build a repository from a spec (long, many at the timeout, long contexts so fewer live
+  executions per cell), DeepSWE-like runs fix an issue (shorter, long-tailed, few at the timeout).
+- ``terminalbench_122b``: the 122B model on 24 nodes = 3 cells x 8; TerminalBench-like runs are
+  short and tool-heavy (more think time than model time).
+
+A run's length is drawn from a mixture: with probability ``near_timeout`` it is uniform in
+``[0.85, 1.3] x timeout`` (a run that would go past the timeout is cut there by the simulator),
+else log-normal around ``median_s``. It is then cut into ``turns`` call/think pairs; the share of
+model time per run is ``call_share`` +- 0.1, spread unevenly over its turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.traces import CellCosts, Phase, Trace, WorkloadShape, write_trace
+
+HERE = Path(__file__).resolve().parent
+RUNS_PER_PHASE = 384
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    median_s: float
+    sigma: float
+    near_timeout: float
+    call_share: float
+    turns: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseShape:
+    name: str
+    first_step: int
+    runs: RunShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    name: str
+    description: str
+    cells: CellCosts
+    workload: WorkloadShape
+    phases: tuple[PhaseShape, ...]
+    reference_h: dict[str, float] | None = None
+
+
+MIN = 60.0
+HOUR = 3600.0
+
+SPECS: tuple[Spec, ...] = (
+    Spec(
+        name="p2_4t",
+        description="2.4T-like: 4 cells x 48 nodes, ~700k tokens per execution, hours-long long-tailed runs, "
+                    "many near the timeout, 48 steps",
+        cells=CellCosts(num_cells=4, nodes_per_cell=48, capacity_per_cell=128, to_train_s=6 * MIN, to_serve_s=4 * MIN,
+                        weight_transfer_s=90.0, grad_transfer_s=60.0, microstep_s=5 * MIN, apply_s=3 * MIN,
+                        compute_slots=4, reroute_s=60.0),
+        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
+                               launch_s=2 * MIN, grade_s=3 * MIN, staleness=1, async_train_cells=1),
+        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=1.4 * HOUR, sigma=0.5, near_timeout=0.35, call_share=0.75, turns=8)),),
+        reference_h={"elastic": 75.42, "async": 134.55, "colocate": 91.47},
+    ),
+    Spec(
+        name="nl2repo_122b",
+        description="122B-like, NL2Repo-like: 4 cells x 8 nodes, long runs that build a repository, many at the timeout",
+        cells=CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=48, to_train_s=150.0, to_serve_s=100.0,
+                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=150.0, apply_s=45.0,
+                        compute_slots=4, reroute_s=20.0),
+        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
+                               launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1),
+        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=0.4, call_share=0.7, turns=8)),),
+    ),
+    Spec(
+        name="deepswe_122b",
+        description="122B-like, DeepSWE-like: 4 cells x 8 nodes, issue-fixing runs, long-tailed, few at the timeout",
+        cells=CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=64, to_train_s=150.0, to_serve_s=100.0,
+                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=90.0, apply_s=45.0,
+                        compute_slots=4, reroute_s=20.0),
+        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=1.5 * HOUR, microsteps_per_group=4,
+                               launch_s=MIN, grade_s=MIN, staleness=1, async_train_cells=1),
+        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=18 * MIN, sigma=0.8, near_timeout=0.08, call_share=0.65, turns=8)),),
+    ),
+    Spec(
+        name="terminalbench_122b",
+        description="122B-like, TerminalBench-like: 3 cells x 8 nodes, short tool-heavy runs",
+        cells=CellCosts(num_cells=3, nodes_per_cell=8, capacity_per_cell=64, to_train_s=150.0, to_serve_s=100.0,
+                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=45.0, apply_s=45.0,
+                        compute_slots=3, reroute_s=20.0),
+        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=40 * MIN, microsteps_per_group=4,
+                               launch_s=30.0, grade_s=MIN, staleness=1, async_train_cells=1),
+        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=7 * MIN, sigma=0.9, near_timeout=0.12, call_share=0.4, turns=8)),),
+    ),
+)
+
+
+def draw_run(rng: random.Random, shape: RunShape, timeout_s: float) -> list[float]:
+    """One run: [call_s, think_s] x turns, seconds rounded to 0.1."""
+    if rng.random() < shape.near_timeout:
+        total = rng.uniform(0.85, 1.3) * timeout_s
+    else:
+        total = min(rng.lognormvariate(math.log(shape.median_s), shape.sigma), 1.3 * timeout_s)
+    call_share = min(0.95, max(0.05, shape.call_share + rng.uniform(-0.1, 0.1)))
+    weights = [rng.uniform(0.5, 1.5) for _ in range(shape.turns)]
+    scale = total / sum(weights)
+    out: list[float] = []
+    for w in weights:
+        out += [round(w * scale * call_share, 1), round(w * scale * (1 - call_share), 1)]
+    return out
+
+
+def make_trace(spec: Spec, seed: int) -> Trace:
+    rng = random.Random(f"{spec.name}/{seed}")
+    pool: list[tuple[float, ...]] = []
+    phases = []
+    for ph in spec.phases:
+        lo = len(pool)
+        pool += [tuple(draw_run(rng, ph.runs, spec.workload.timeout_s)) for _ in range(RUNS_PER_PHASE)]
+        phases.append(Phase(name=ph.name, first_step=ph.first_step, runs=(lo, len(pool))))
+    shapes = "; ".join(f"{ph.name} from step {ph.first_step}: {ph.runs}" for ph in spec.phases)
+    return Trace(
+        name=spec.name, description=spec.description,
+        generator=f"python -m bench.traces.generate --seed {seed} ({shapes})",
+        cells=spec.cells, workload=spec.workload, reference_h=spec.reference_h, phases=tuple(phases),
+        executions=tuple(pool),
+    )
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=HERE)
+    args = ap.parse_args(argv)
+    written = []
+    for spec in SPECS:
+        path = args.out / f"{spec.name}.json"
+        write_trace(make_trace(spec, args.seed), path)
+        written.append(path)
+        print(f"wrote {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The simulator: makespans computed by hand on tiny traces, the policies ordered as theory says on
+a trace built to show it, timeouts and stalls, and the trace files (format, validation, ours)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.simulator import simulate
+from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace, parse_trace, trace_to_json
+
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "traces"
+
+
+def tiny(**changes) -> Trace:
+    """2 cells (capacity 2), one step of one group of 2 runs: call 1 s, then think 2 s."""
+    cells = CellCosts(num_cells=2, nodes_per_cell=1, capacity_per_cell=2, to_train_s=0.5, to_serve_s=0.5,
+                      weight_transfer_s=0.25, grad_transfer_s=0.25, microstep_s=3.0, apply_s=0.5, compute_slots=2,
+                      reroute_s=0.0)
+    shape = WorkloadShape(steps=1, groups_per_step=1, group_size=2, timeout_s=100.0, microsteps_per_group=1,
+                          launch_s=0.5, grade_s=0.25, staleness=0, async_train_cells=1)
+    trace = Trace(name="tiny", description="", generator="test", cells=cells, workload=shape, reference_h=None,
+                  phases=(Phase(name="all", first_step=0, runs=(0, 1)),), executions=((1.0, 2.0),))
+    return dataclasses.replace(trace, **changes)
+
+
+def test_tiny_makespans_by_hand():
+    # elastic and colocate: launch 0.5 + call 1 + think 2 + grade 0.25 = 3.75 the shard is in; both
+    # turn the core to training (0.5), one microstep (3), apply (0.5): 7.75. Elastic sends no
+    # satellite for a single microstep; colocate sends both cells, one idles.
+    for kind in ("elastic", "colocate"):
+        r = simulate(tiny(), kind)
+        assert r.makespan_s == pytest.approx(7.75), kind
+    assert simulate(tiny(), "elastic").switches == (1, 0)
+    assert simulate(tiny(), "colocate").switches == (1, 1)  # the run ends at the last update
+    # async: its core turns to training at t=0 (done at 0.5, while the harness starts), so the
+    # microstep starts as soon as the shard is in: 3.75 + 3 + 0.5 = 7.25; both runs served by cell 1.
+    r = simulate(tiny(), "async")
+    assert r.makespan_s == pytest.approx(7.25)
+    assert r.served_s[1] == pytest.approx(7.25) and r.trained_s[0] == pytest.approx(6.75)
+
+
+def test_timeout_cuts_a_run_and_the_group_waits_for_it():
+    trace = tiny(executions=((1.0, 50.0),), workload=dataclasses.replace(tiny().workload, timeout_s=5.0))
+    r = simulate(trace, "elastic")
+    assert r.num_timed_out == 2
+    assert r.makespan_s == pytest.approx(5.0 + 0.25 + 0.5 + 3.0 + 0.5)  # cut at 5 s after launch
+
+
+def test_calls_share_the_compute_slots_with_microsteps():
+    # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 in.
+    trace = tiny(cells=dataclasses.replace(tiny().cells, compute_slots=1))
+    assert simulate(trace, "elastic").makespan_s == pytest.approx(4.5 + 0.25 + 0.5 + 3.0 + 0.5)
+
+
+def test_every_call_is_stamped_with_the_version_that_made_it():
+    trace = tiny(workload=dataclasses.replace(tiny().workload, steps=3, staleness=0))
+    for kind in ("elastic", "async", "colocate"):
+        assert simulate(trace, kind).max_staleness == 0  # staleness 0: a step's calls all at its version
+    stale = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=1))
+    assert simulate(stale, "elastic").max_staleness <= 1
+
+
+def theory_trace() -> Trace:
+    """Training-heavy, long-tailed: a step is 24 cell-seconds of microsteps, and its first group
+    has one run of 12 s among runs of 3 s (the second group is all short). Theory: async (one
+    training cell) is training-bound, ~24 s a step; colocate waits out the tail with every cell
+    serving, then trains everything; elastic trains the early group on the cells the tail leaves
+    free, so only the straggler's group is left when the tail ends."""
+    cells = CellCosts(num_cells=4, nodes_per_cell=1, capacity_per_cell=16, to_train_s=0.2, to_serve_s=0.2,
+                      weight_transfer_s=0.1, grad_transfer_s=0.1, microstep_s=3.0, apply_s=0.1, compute_slots=4,
+                      reroute_s=0.0)
+    shape = WorkloadShape(steps=8, groups_per_step=2, group_size=8, timeout_s=30.0, microsteps_per_group=4,
+                          launch_s=0.1, grade_s=0.1, staleness=1, async_train_cells=1)
+    return Trace(name="theory", description="", generator="test", cells=cells, workload=shape, reference_h=None,
+                 phases=(Phase(name="all", first_step=0, runs=(0, 1)),), executions=((1.0, 2.0),))
+
+
+def theory_runs(execution_id: str, _step: int) -> tuple[float, ...]:
+    long = execution_id.endswith("-g0-e7")  # one straggler per step
+    return (4.0, 4.0, 4.0, 0.0) if long else (1.0, 1.0, 1.0, 0.0)
+
+
+def test_policies_ordered_as_theory_says():
+    r = {k: simulate(theory_trace(), k, runs=theory_runs) for k in ("elastic", "async", "colocate")}
+    assert r["elastic"].makespan_s < 0.85 * r["colocate"].makespan_s
+    assert r["elastic"].makespan_s < 0.5 * r["async"].makespan_s
+    assert r["async"].makespan_s >= 8 * 24.0  # one cell trains 24 cell-seconds a step
+    assert r["elastic"].stalled_call_s == 0 and r["elastic"].overcommit_s == 0
+
+
+def test_same_seed_same_run_and_seeds_draw_differently():
+    trace = load_trace(TRACES / "deepswe_122b.json")
+    short = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=4))
+    assert simulate(short, "elastic", seed=3) == simulate(short, "elastic", seed=3)
+    assert simulate(short, "elastic", seed=3).makespan_s != simulate(short, "elastic", seed=4).makespan_s
+
+
+# ---------------------------------------------------------------- trace files
+
+
+def test_our_trace_files_load_and_round_trip():
+    names = sorted(p.stem for p in TRACES.glob("*.json"))
+    assert names == ["deepswe_122b", "nl2repo_122b", "p2_4t", "terminalbench_122b"]
+    for path in TRACES.glob("*.json"):
+        trace = load_trace(path)
+        assert parse_trace(json.loads(json.dumps(trace_to_json(trace)))) == trace
+        assert path.stat().st_size < 100_000  # small: a pool of runs, not every run
+    p24 = load_trace(TRACES / "p2_4t.json")
+    assert (p24.cells.num_cells, p24.cells.nodes_per_cell, p24.workload.steps) == (4, 48, 48)
+    assert p24.reference_h == {"elastic": 75.42, "async": 134.55, "colocate": 91.47}
+
+
+def test_the_generator_reproduces_the_committed_traces(tmp_path: Path):
+    from bench.traces import generate
+
+    generate.main(["--out", str(tmp_path)])
+    for path in TRACES.glob("*.json"):
+        assert (tmp_path / path.name).read_text() == path.read_text(), path.name
+
+
+def raw() -> dict:
+    return trace_to_json(tiny())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(format="gyre-trace/9"), "format"),
+    (lambda d: d.pop("phases"), "missing ['phases']"),
+    (lambda d: d.update(extra=1), "unknown ['extra']"),
+    (lambda d: d["cells"].update(num_cells=2.5), "cells.num_cells: want an integer"),
+    (lambda d: d["cells"].update(microstep_s="3"), "cells.microstep_s: want a finite number"),
+    (lambda d: d["cells"].update(to_train_s=-1), "cells.to_train_s: want >= 0"),
+    (lambda d: d["workload"].update(timeout_s=0), "workload.timeout_s: want > 0"),
+    (lambda d: d["workload"].update(async_train_cells=2), "async_train_cells"),
+    (lambda d: d.update(executions=[[1.0, 2.0, 3.0]]), "executions[0]"),
+    (lambda d: d.update(executions=[[1.0, float("nan")]]), "executions[0][1]"),
+    (lambda d: d.update(executions=[]), "executions"),
+    (lambda d: d.update(phases=[{"name": "a", "first_step": 1, "runs": [0, 1]}]), "first_step 0"),
+    (lambda d: d.update(phases=[{"name": "a", "first_step": 0, "runs": [0, 5]}]), "phases[0].runs"),
+    (lambda d: d.update(reference_h={"elastic": 1.0}), "reference_h"),
+])
+def test_bad_trace_files_are_refused_naming_the_field(mutate, message):
+    d = raw()
+    mutate(d)
+    with pytest.raises(TraceError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_trace(d)
+
+
+def test_unreadable_trace_file(tmp_path: Path):
+    (tmp_path / "t.json").write_text("{not json")
+    with pytest.raises(TraceError, match="not a readable JSON file"):
+        load_trace(tmp_path / "t.json")

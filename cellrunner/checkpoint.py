@@ -1,4 +1,6 @@
-"""The core's checkpoints: weights and AdamW state of one version, so a requeued job resumes exactly.
+"""Writing and reading the core's checkpoints: weights and AdamW state of one version, so a
+requeued job resumes exactly. When to save and which one to resume from is the controller's
+call (controller.checkpoints, which also defines the folder layout).
 
 ``<checkpoint_dir>/v<N>/`` holds ``model.safetensors`` (HF names, what ``save_safetensors``
 writes), ``optimizer.safetensors`` (per parameter ``<name>.exp_avg`` and ``<name>.exp_avg_sq``)
@@ -11,41 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
 import torch
 
-from cellrunner.engine import SAFETENSORS_FILE, load_safetensors, save_safetensors
+from cellrunner.engine import load_safetensors, save_safetensors
 from cellrunner.model import FlatWeights
+from controller.checkpoints import META_FILE, Checkpoint
 from controller.wire import TensorSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
-META_FILE = "checkpoint.json"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    version: int
-    path: Path
-
-
-def latest_checkpoint(checkpoint_dir: str | Path) -> Checkpoint | None:
-    """The newest complete checkpoint under ``checkpoint_dir``, or None."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return None
-    found = []
-    for child in root.iterdir():
-        m = _VERSION_DIR.match(child.name)
-        if m and (child / META_FILE).is_file() and (child / SAFETENSORS_FILE).is_file():
-            found.append(Checkpoint(int(m.group(1)), child))
-    return max(found, key=lambda c: c.version, default=None)
 
 
 def save_checkpoint(

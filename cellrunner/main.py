@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
@@ -28,7 +29,6 @@ import zmq
 from cellrunner.config import (
     EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, SGLangConfig,
 )
-from cellrunner.checkpoint import latest_checkpoint
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights, build_model, flatten_params
@@ -38,6 +38,7 @@ from cellrunner.transfer import (
 )
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
 from controller import wire
+from controller.checkpoints import Checkpoint
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
 from trajectory.config import AlgoConfig
@@ -62,16 +63,15 @@ class CellRunnerConfig:
     """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
     seed: int
     checkpoint_dir: str
-    """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) every
-    ``checkpoint_every`` steps and at shutdown."""
-    checkpoint_every: int
-    """0: only at shutdown."""
+    """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) when an
+    ApplyStep asks for it and at shutdown."""
     trainer: EmbeddedTrainerConfig | MegatronConfig
     engine: EmbeddedEngineConfig | SGLangConfig
     log_dir: str
     """Where the cell's own children (SGLang servers) log."""
-    resume: bool
-    """The core starts from the newest complete checkpoint in ``checkpoint_dir`` when there is one."""
+    resume_from: str
+    """The checkpoint folder the controller chose for the core to start from ('' = the seeded init)."""
+    resume_version: int
 
 
 def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
@@ -137,7 +137,7 @@ class CellRunner:
     def setup(self) -> None:
         self.send(wire.Hello(peer="cell", cell_id=self.cell_id, pid=os.getpid()))
         if self.is_core:
-            ckpt = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.resume else None
+            ckpt = Checkpoint(self.cfg.resume_version, Path(self.cfg.resume_from)) if self.cfg.resume_from else None
             if ckpt is not None:  # a requeued job: weights and optimizer state as they were saved
                 self.trainer.restore(ckpt)
                 log.info("core: resumed from %s (version %d)", ckpt.path, ckpt.version)
@@ -301,8 +301,7 @@ class CellRunner:
         grads = self.pending_grads.pop(msg.step, [])
         weights, norm = self.trainer.apply(grads, msg.num_executions)
         self.weight_server.publish(weights)
-        every = self.cfg.checkpoint_every
-        if every and weights.version % every == 0:
+        if msg.checkpoint:
             log.info("core: checkpoint %s", self.trainer.save_checkpoint(self.cfg.checkpoint_dir))
         self.send(wire.StepApplied(
             cell_id=self.cell_id, step=msg.step, weight_version=weights.version,

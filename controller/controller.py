@@ -21,6 +21,7 @@ import zmq
 
 from controller import wire
 from controller.cells import Cell, CellRegistry
+from controller.checkpoints import Checkpoint, latest_checkpoint
 from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
@@ -76,7 +77,10 @@ class Controller:
         self.sock.bind(f"tcp://{self.host}:{cfg.cluster.controller_port}")
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cells = CellRegistry(cfg.cluster.num_cells, cfg.cluster.core_cell)
-        self.steps = StepCoordinator(core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps)
+        self.steps = StepCoordinator(
+            core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps, checkpoint_every=cfg.run.checkpoint_every)
+        # A requeued job (same run folder): the core starts from the newest complete checkpoint.
+        self.resume_from = latest_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
         self.metrics = MetricsSink(run_dir / "metrics.jsonl")
         self.train_tasks, self.eval_tasks = make_tasks(cfg.workload)
         self.rng = random.Random(cfg.run.seed)
@@ -116,7 +120,8 @@ class Controller:
             workload=c.workload, work_dir=self.attempt_dir("work"), proxy_url=self.proxy_url,
             model_name=c.proxy.model_name, secret=self.secret,
         )
-        cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir)
+        cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir,
+                                     resume_from=self.resume_from)
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(
@@ -143,9 +148,12 @@ class Controller:
         log.info("gyre: %d cells up, proxy at %s, controller at %s", len(self.cells.cells), self.proxy_url, self.addr)
 
     def resume_from_core(self) -> None:
-        """A requeued job: the core came up from its checkpoint at version N > 0, so the run goes on
-        at step N (the start eval was done by the first attempt) and satellites pull version N."""
+        """A requeued job: the core came up from checkpoint N > 0 (``self.resume_from``), so the run
+        goes on at step N (the start eval was done by the first attempt) and satellites pull N."""
         version = self.cells.cells[self.cfg.cluster.core_cell].weight_version
+        expected = self.resume_from.version if self.resume_from else 0
+        if version != expected:
+            raise StartError(f"the core started at version {version}, the controller resumed it from {expected}")
         if version == 0:
             return
         if version >= self.cfg.run.steps:
@@ -535,7 +543,9 @@ class Controller:
                          phases={c.cell_id: c.phase for c in self.cells.cells.values()})
 
 
-def cellrunner_config(c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path) -> dict:
+def cellrunner_config(
+    c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path, resume_from: Checkpoint | None = None
+) -> dict:
     """The cellrunner's config (cellrunner.main.CellRunnerConfig) as the JSON every cell is given."""
     return {
         "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
@@ -543,7 +553,8 @@ def cellrunner_config(c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path) -> 
         "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
         "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
         "transfer": c.cluster.transfer, "seed": c.run.seed, "checkpoint_dir": str(checkpoint_dir),
-        "checkpoint_every": c.run.checkpoint_every, "resume": c.run.resume,
+        "resume_from": str(resume_from.path) if resume_from else "",
+        "resume_version": resume_from.version if resume_from else 0,
         "trainer": to_dict(c.trainer), "engine": to_dict(c.engine), "log_dir": str(log_dir),
     }
 

@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from controller.checkpoints import due
 from controller.wire import ApplyStep, GroupDone, RunMicrostep, SendGrads, Shard
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,10 @@ class StepState:
 
 
 class StepCoordinator:
-    def __init__(self, *, core_cell: int, total_steps: int):
+    def __init__(self, *, core_cell: int, total_steps: int, checkpoint_every: int = 0):
         self.core_cell = core_cell
         self.total_steps = total_steps
+        self.checkpoint_every = checkpoint_every
         self.version = 0
         self.steps: dict[int, StepState] = {}
 
@@ -161,5 +163,8 @@ class StepCoordinator:
             out.append((cell, SendGrads(step=st.step)))
         if core_training and st.grads_wanted <= st.grads_sent:
             st.apply_sent = True
-            out.append((self.core_cell, ApplyStep(step=st.step, num_satellite_grads=len(st.grads_sent), num_executions=st.num_executions)))
+            out.append((self.core_cell, ApplyStep(
+                step=st.step, num_satellite_grads=len(st.grads_sent), num_executions=st.num_executions,
+                checkpoint=due(st.step + 1, self.checkpoint_every),
+            )))
         return out

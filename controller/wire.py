@@ -77,7 +77,7 @@ class CellReady(Message):
     grads_addr: str
     is_core: bool
     weight_version: int = 0
-    """The version the cell starts with: 0, or the core's checkpoint when a run resumes."""
+    """The version the cell starts with: 0, or the checkpoint's the controller resumed the core from."""
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
@@ -249,6 +249,8 @@ class ApplyStep(Message):
     step: int
     num_satellite_grads: int
     num_executions: int
+    checkpoint: bool = False
+    """Then save the new version's weights and optimizer state (the controller's checkpoint policy)."""
 
     def check(self) -> None:
         _non_negative(num_satellite_grads=self.num_satellite_grads)

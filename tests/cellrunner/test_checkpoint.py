@@ -7,8 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from cellrunner.checkpoint import latest_checkpoint, save_checkpoint
+from cellrunner.checkpoint import save_checkpoint
 from cellrunner.trainer import EmbeddedTrainer
+from controller.checkpoints import latest_checkpoint
 from tests.cellrunner.test_trainer import VOCAB, cfgs, make_shards
 
 

@@ -58,3 +58,20 @@ def test_dropped_groups_do_not_count_executions():
     sc.plan(0, 1)
     assert sc.on_group_done(done(0, "a", dropped="too_few_usable")) is True
     assert sc.current.rollouts_done and sc.train_demand() == 0 and sc.finish(core_training=True) == []
+
+
+def test_the_core_is_told_to_checkpoint_by_the_policy():
+    def apply_of(step: int, every: int) -> wire.ApplyStep:
+        sc = StepCoordinator(core_cell=0, total_steps=10, checkpoint_every=every)
+        sc.version = step
+        sc.plan(step, 1)
+        sc.on_shard(shard(step, "a"))
+        sc.on_group_done(done(step, "a"))
+        sc.assign([0])
+        sc.on_microstep_done(0, step, "a", 1.0, 3)
+        ((_, msg),) = sc.finish(core_training=True)
+        return msg
+
+    # every=3: versions 3 and 6 are saved, i.e. after steps 2 and 5; every=0: never mid-run.
+    assert [apply_of(s, 3).checkpoint for s in range(6)] == [False, False, True, False, False, True]
+    assert not any(apply_of(s, 0).checkpoint for s in range(4))

@@ -75,8 +75,11 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_embedded_default_as_an_sbatch_job(slurm_env, tmp_path):
-    steps = 4
-    job = sbatch(slurm_env, tmp_path, f"run.steps={steps}", f"run.runs_dir={tmp_path}/runs", *SHORT_RUN)
+    # The embedded default's workload (4 groups x 8 a step), so every satellite's training is
+    # needed and every cell both serves and trains; fewer steps and eval tasks keep it short.
+    steps = 8
+    job = sbatch(slurm_env, tmp_path, f"run.steps={steps}", f"run.runs_dir={tmp_path}/runs",
+                 "workload.num_eval_tasks=4", "run.progress_every_s=5")
     state, code = wait_job(slurm_env, job, timeout_s=240)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert (state, code) == ("COMPLETED", "0:0"), log[-3000:]

@@ -39,6 +39,7 @@ from cellrunner.transfer import (
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
 from controller import wire
 from controller.checkpoints import Checkpoint
+from controller.processes import exit_with_parent
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
 from trajectory.config import AlgoConfig
@@ -362,6 +363,7 @@ def main() -> None:
         cfg = build(CellRunnerConfig, json.load(f))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell{args.cell_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.torch_threads)
+    exit_with_parent()  # a controller that died without stopping us
     try:
         runner = CellRunner(cfg, args.cell_id, args.controller)
         signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))

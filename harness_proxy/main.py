@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from controller import wire
+from controller.processes import exit_with_parent
 from controller.typed_config import ConfigError, build
 from harness_proxy.config import ProxyConfig
 from harness_proxy.server import ProxyServer, ZmqRecordSink
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    exit_with_parent()  # a controller that died without stopping us
     try:
         cfg, tok = load_config(args.config_json)
         secret = bytes.fromhex(args.secret_hex)

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from controller.processes import exit_with_parent
 from controller.typed_config import ConfigError, build
 from trajectory.config import AlgoConfig
 from trajectory.log import AppendLog
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    exit_with_parent()  # a controller that died without stopping us
 
     processor = Processor(
         algo=config.algo,

@@ -39,7 +39,7 @@ from cellrunner.transfer import (
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
 from controller import wire
 from controller.checkpoints import Checkpoint
-from controller.processes import exit_with_parent
+from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
 from trajectory.config import AlgoConfig

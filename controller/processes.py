@@ -8,12 +8,10 @@ a ``CellLauncher``: ``LocalCells`` here, ``controller.slurm_launch.SlurmCells`` 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -85,23 +83,3 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.kill()
             p.wait(timeout=5)
 
-
-def exit_with_parent(*, poll_s: float = 1.0, grace_s: float = 30.0) -> None:
-    """In a child: stop when the process that started it is gone.
-
-    Children run in their own sessions (a Ctrl-C at the controller must not reach them mid-step),
-    so a controller that is SIGKILLed cannot stop them: without this they would run forever. When
-    the parent changes (the child was reparented), the child gets SIGTERM, its normal graceful
-    stop; if it is still alive ``grace_s`` later, it exits hard.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        logging.getLogger(__name__).warning("parent %d is gone: stopping", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from controller import wire
-from controller.processes import exit_with_parent
+from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from harness_proxy.config import ProxyConfig
 from harness_proxy.server import ProxyServer, ZmqRecordSink

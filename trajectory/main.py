@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.processes import exit_with_parent
+from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from trajectory.config import AlgoConfig
 from trajectory.log import AppendLog

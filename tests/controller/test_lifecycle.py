@@ -1,4 +1,4 @@
-"""Children of a controller that was SIGKILLed stop by themselves (controller.processes.exit_with_parent)."""
+"""Children of a controller that was SIGKILLed stop by themselves (controller.lifecycle.exit_with_parent)."""
 
 import json
 import os

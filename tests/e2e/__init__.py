@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +21,25 @@ def start_gyre(runs: Path, *overrides: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "controller.main", f"run.runs_dir={runs}", *SMALL, *overrides]
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def run_gyre_with(
+    runs: Path, meddle: Callable[[Path, threading.Event, dict], None], *overrides: str, timeout_s: float = 400
+) -> tuple[Path, dict]:
+    """Run gyre to the end while ``meddle(run_dir, done, report)`` interferes from a thread (it
+    should return once ``done`` is set); assert the run succeeded; return (run_dir, report)."""
+    proc = start_gyre(runs, *overrides)
+    run_dir = run_dir_of(runs)
+    done, report = threading.Event(), {}
+    threading.Thread(target=meddle, args=(run_dir, done, report), daemon=True).start()
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    return run_dir, report
 
 
 def run_dir_of(runs: Path, timeout_s: float = 30) -> Path:

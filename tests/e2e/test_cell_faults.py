@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e import metrics, run_dir_of, start_gyre
+from tests.e2e import metrics, run_gyre_with
 
 STEPS = 4
 
@@ -41,18 +41,7 @@ def kill_first_training_satellite(run_dir: Path, done: threading.Event, report: 
 @pytest.mark.e2e
 def test_satellite_killed_mid_step_loses_nothing(tmp_path):
     runs = tmp_path / "runs"
-    proc = start_gyre(runs, f"run.steps={STEPS}", "run.eval_at_start=false")
-    run_dir = run_dir_of(runs)
-    done, report = threading.Event(), {}
-    t = threading.Thread(target=kill_first_training_satellite, args=(run_dir, done, report), daemon=True)
-    t.start()
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        done.set()
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
+    run_dir, report = run_gyre_with(runs, kill_first_training_satellite, f"run.steps={STEPS}", "run.eval_at_start=false")
     assert "killed" in report, "no satellite was caught training"
     events = metrics(run_dir)
     lost = [m for m in events if m.get("kind") == "cell_lost"]

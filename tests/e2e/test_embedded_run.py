@@ -26,7 +26,7 @@ from cellrunner.model import build_model, flatten_params
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
-from tests.e2e import ROOT, run_dir_of, start_gyre
+from tests.e2e import ROOT, run_gyre_with
 from trajectory.log import AppendLog
 
 STEPS = 3
@@ -70,18 +70,7 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
 @pytest.mark.e2e
 def test_short_embedded_run(tmp_path):
     runs = tmp_path / "runs"
-    proc = start_gyre(runs, f"run.steps={STEPS}")
-    run_dir = run_dir_of(runs)
-    done, report = threading.Event(), {}
-    t = threading.Thread(target=inject_faults, args=(run_dir, done, report), daemon=True)
-    t.start()
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        done.set()
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-4000:]
+    run_dir, report = run_gyre_with(runs, inject_faults, f"run.steps={STEPS}")
     summary = json.loads((run_dir / "summary.json").read_text())
 
     # The run finished its steps, every cell served, cells switched and trained.

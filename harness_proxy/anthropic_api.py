@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from harness_proxy.openai_api import ApiError, ChatRequest, _number, load_json_object
@@ -216,9 +216,6 @@ def lineage_of(body: dict[str, Any], agent_id: str) -> str:
     return f"{base}-summary" if _is_summary(body.get("messages") or []) else base
 
 
-_load = load_json_object
-
-
 def _system(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
@@ -231,7 +228,7 @@ def parse_messages_request(raw: bytes, headers: Mapping[str, str]) -> MessagesRe
     Keys Claude Code sends that do not change generation (``thinking``, ``context_management``,
     ``output_config``, ``metadata``, ``top_k``, ``stop_sequences``...) are accepted and ignored.
     """
-    body = _load(raw)
+    body = load_json_object(raw)
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise _bad("max_tokens", f"want an integer >= 1, got {json.dumps(max_tokens)[:40]}")
@@ -257,7 +254,7 @@ def parse_messages_request(raw: bytes, headers: Mapping[str, str]) -> MessagesRe
 
 def parse_count_tokens_request(raw: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """A ``POST /v1/messages/count_tokens`` body as (template messages, tools)."""
-    body = _load(raw)
+    body = load_json_object(raw)
     return _system(body.get("system")) + _messages(body.get("messages")), _tools(body.get("tools"))
 
 
@@ -288,8 +285,7 @@ class MintedToolUses:
                 for call in parsed.tool_calls
             ]
             turn = _MintedTurn(
-                content=parsed.content, reasoning=parsed.reasoning or "",
-                tool_use_ids=tuple(c["id"] for c in msg["tool_calls"]), output_ids=tuple(output_ids),
+                content=parsed.content, reasoning=parsed.reasoning or "", output_ids=list(output_ids),
                 calls={c["id"]: (c["name"], c["arguments"]) for c in msg["tool_calls"]},
             )
             minted = self._by_execution.setdefault(execution_id, {})
@@ -315,7 +311,7 @@ class MintedToolUses:
                 m = {**m, "tool_calls": restored}
                 turn = minted.get(calls[0].get("id"))
                 if turn is not None and turn.is_echoed_by(m):
-                    m[EXACT_IDS_KEY] = list(turn.output_ids)
+                    m[EXACT_IDS_KEY] = turn.output_ids
             out.append(m)
         return out
 
@@ -327,9 +323,10 @@ class MintedToolUses:
 class _MintedTurn:
     content: str
     reasoning: str
-    tool_use_ids: tuple[str, ...]
-    output_ids: tuple[int, ...]
-    calls: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict, compare=False)
+    output_ids: list[int]
+    """Shared with every echo it marks (read only): marking costs no copy per call."""
+    calls: dict[str, tuple[str, dict[str, Any]]]
+    """tool_use id -> (name, input as the model wrote it), in the turn's order."""
 
     def name_of(self, tool_use_id: str) -> str:
         return self.calls[tool_use_id][0]
@@ -341,9 +338,9 @@ class _MintedTurn:
         """The harness sent this turn back whole: the same tool_use ids in order, text and thinking
         byte-equal (an empty text block dropped is the same text). A fork that copies only the
         tool_use blocks, or a turn whose text was edited, is not."""
-        ids = tuple(c.get("id") for c in m.get("tool_calls") or [])
+        ids = [c.get("id") for c in m.get("tool_calls") or []]
         return (
-            ids == self.tool_use_ids
+            ids == list(self.calls)
             and content_text(m.get("content")) == self.content
             and (m.get("reasoning_content") or "") == self.reasoning
         )

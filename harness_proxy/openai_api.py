@@ -162,8 +162,6 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
 def parse_chat_request(raw: bytes) -> ChatRequest:
     """Validate a ``POST /v1/chat/completions`` body; raise ``ApiError`` (400) on anything wrong."""
     body = load_json_object(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body: want a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "want a non-empty list of messages")

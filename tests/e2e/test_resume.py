@@ -20,26 +20,22 @@ def gyre(runs: Path, steps: int) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return metrics(run_dir, kind)
-
-
 @pytest.mark.e2e
 def test_second_attempt_resumes_from_the_checkpoint(tmp_path):
     runs = tmp_path / "runs"
     rc, out = gyre(runs, 3)
     assert rc == 0, out[-3000:]
     run_dir = runs / "job-42"
-    assert [e["weight_version"] for e in events(run_dir, "step")] == [1, 2, 3]
+    assert [e["weight_version"] for e in metrics(run_dir, "step")] == [1, 2, 3]
     for v in (1, 2, 3):
         assert (run_dir / f"checkpoints/v{v}/optimizer.safetensors").is_file()
-    evals_before = len(events(run_dir, "eval"))
+    evals_before = len(metrics(run_dir, "eval"))
 
     rc, out = gyre(runs, 5)
     assert rc == 0, out[-3000:]
-    assert [e["weight_version"] for e in events(run_dir, "resumed")] == [3]
-    assert [e["weight_version"] for e in events(run_dir, "step")] == [1, 2, 3, 4, 5]  # 4 and 5 are new
-    assert len(events(run_dir, "eval")) == evals_before  # no second start eval
+    assert [e["weight_version"] for e in metrics(run_dir, "resumed")] == [3]
+    assert [e["weight_version"] for e in metrics(run_dir, "step")] == [1, 2, 3, 4, 5]  # 4 and 5 are new
+    assert len(metrics(run_dir, "eval")) == evals_before  # no second start eval
     assert (run_dir / "checkpoints/v5/model.safetensors").is_file()
     assert (run_dir / "processor").is_dir() and (run_dir / "processor.1").is_dir()
     assert "resuming at step 3" in (run_dir / "controller.log").read_text()

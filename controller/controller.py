@@ -391,15 +391,16 @@ class Controller:
 
     def push_routing(self) -> None:
         floor = self.version_floor()
-        routes = tuple((c.cell_id, c.engine_url) for c in self.cells.in_phase("serving") if c.weight_version >= floor)
+        routes = tuple((c.cell_id, c.engine_url, c.weight_version)
+                       for c in self.cells.in_phase("serving") if c.weight_version >= floor)
         if self.stage == "eval_end":
-            routes = tuple((i, u) for i, u in routes if self.cells.cells[i].weight_version == self.steps.version)
+            routes = tuple(r for r in routes if r[2] == self.steps.version)
         if routes == self.routed or "proxy" not in self.identities:
             return
         self.routed = routes
         self.routing_version += 1
         self.send_to("proxy", wire.RoutingTable(
-            version=self.routing_version, engines=[wire.EngineRoute(cell_id=i, url=u) for i, u in routes]))
+            version=self.routing_version, engines=[wire.EngineRoute(cell_id=i, url=u, weight_version=v) for i, u, v in routes]))
 
     def version_floor(self) -> int:
         """Cells below this weight version may not serve: the newest running training step accepts
@@ -424,13 +425,15 @@ class Controller:
         for g in range(num_groups):
             task = self.rng.choice(self.train_tasks)
             self.executions.plan_group(step=step, group_id=f"s{step}-{tag}{g}", task=task, train=True,
-                                       temperature=w.temperature, size=w.group_size)
+                                       temperature=w.temperature, size=w.group_size,
+                                       min_version=step - self.cfg.scheduler.staleness)
 
     def start_eval(self, label: str) -> None:
         rnd = EvalRound(label=label, at_step=self.steps.version)
         for i, task in enumerate(self.eval_tasks):
             rnd.executions += self.executions.plan_group(step=self.steps.version, group_id=f"eval-{label}-{i}",
-                                                         task=task, train=False, temperature=0.0, size=1)
+                                                         task=task, train=False, temperature=0.0, size=1,
+                                                         min_version=self.steps.version)
         self.evals.append(rnd)
 
     def launch_executions(self, now: float) -> None:

@@ -44,6 +44,9 @@ class Execution:
     group_size: int
     train: bool
     temperature: float
+    min_version: int = 0
+    """The oldest weight version this execution's calls may come from (in its token, so the proxy
+    enforces it on every call): step - staleness for training, the evaluated version for eval."""
     state: ExecState = "queued"
     outcome: Literal["finished", "timed_out", "crashed"] | None = None
     reward: float | None = None
@@ -75,11 +78,12 @@ class ExecutionManager:
         self.num_timed_out = 0
         self.num_grade_failed = 0
 
-    def plan_group(self, *, step: int, group_id: str, task: Task, train: bool, temperature: float, size: int) -> list[Execution]:
+    def plan_group(self, *, step: int, group_id: str, task: Task, train: bool, temperature: float, size: int,
+                   min_version: int = 0) -> list[Execution]:
         group = [
             Execution(
                 execution_id=f"{group_id}-e{i}", task=task, step=step, group_id=group_id,
-                group_size=size, train=train, temperature=temperature,
+                group_size=size, train=train, temperature=temperature, min_version=max(0, min_version),
             )
             for i in range(size)
         ]
@@ -101,7 +105,7 @@ class ExecutionManager:
         argv = [
             sys.executable, "-m", "workloads.harness",
             "--base-url", f"{self.proxy_url}/v1",
-            "--api-key", mint_token(self.secret, ex.execution_id),
+            "--api-key", mint_token(self.secret, ex.execution_id, min_version=ex.min_version),
             "--workspace", str(ws),
             "--max-turns", str(self.cfg.max_turns),
             "--max-tokens", str(self.cfg.max_new_tokens),

@@ -272,6 +272,11 @@ class EngineRoute(Message):
     TAG: ClassVar[str] = "engine_route"
     cell_id: int
     url: str
+    weight_version: int = 0
+    """The weights the cell serves (a lower bound: it never serves older ones once listed)."""
+
+    def check(self) -> None:
+        _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,12 @@
 """Per-execution bearer tokens: stateless, HMAC-signed, one per harness run.
 
-A token is ``gyre.<execution_id>.<hex HMAC-SHA256(secret, execution_id)>``. Whoever holds the
-secret (the controller mints, the proxy verifies) can check a token without a table, so a proxy
-restart loses nothing. Revocation is not here: the proxy refuses tokens of sealed executions from
-its own set. Standard library only, so the controller can import it.
+A token is ``gyre.<execution_id>.<min_version>.<hex HMAC-SHA256(secret, execution_id, min_version)>``.
+Whoever holds the secret (the controller mints, the proxy verifies) can check a token without a
+table, so a proxy restart loses nothing. ``min_version`` is the oldest weight version the
+execution's step accepts (step - staleness): it travels with every call, so the proxy never routes
+a call to an engine that is too old, even before the routing table that drops that engine arrives.
+Revocation is not here: the proxy refuses tokens of sealed executions from its own set. Standard
+library only, so the controller can import it.
 """
 
 from __future__ import annotations
@@ -11,39 +14,50 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from typing import NamedTuple
 
 TOKEN_PREFIX = "gyre"
 EXECUTION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_VERSION_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _MAC_HEX_LEN = 64
-_DOMAIN = b"gyre-execution-token/1:"  # keeps these MACs distinct from any other use of the secret
+_DOMAIN = b"gyre-execution-token/2:"  # keeps these MACs distinct from any other use of the secret
 
 
-def _mac(secret: bytes, execution_id: str) -> str:
-    return hmac.new(secret, _DOMAIN + execution_id.encode("ascii"), hashlib.sha256).hexdigest()
+class TokenClaims(NamedTuple):
+    execution_id: str
+    min_version: int
 
 
-def mint_token(secret: bytes, execution_id: str) -> str:
-    """The bearer token for one execution; raise ValueError for an id outside ``[A-Za-z0-9_-]{1,64}``."""
+def _mac(secret: bytes, execution_id: str, min_version: int) -> str:
+    return hmac.new(secret, _DOMAIN + f"{execution_id}.{min_version}".encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def mint_token(secret: bytes, execution_id: str, *, min_version: int = 0) -> str:
+    """The bearer token for one execution; raise ValueError for an id outside ``[A-Za-z0-9_-]{1,64}``
+    or a ``min_version`` that is not an integer in [0, 10**10)."""
     if not secret:
         raise ValueError("secret: empty")
     if not EXECUTION_ID_RE.fullmatch(execution_id):
         raise ValueError(f"execution_id: want [A-Za-z0-9_-]{{1,64}}, got {execution_id!r}")
-    return f"{TOKEN_PREFIX}.{execution_id}.{_mac(secret, execution_id)}"
+    if isinstance(min_version, bool) or not isinstance(min_version, int) or not 0 <= min_version < 10**10:
+        raise ValueError(f"min_version: want an integer in [0, 10**10), got {min_version!r}")
+    return f"{TOKEN_PREFIX}.{execution_id}.{min_version}.{_mac(secret, execution_id, min_version)}"
 
 
-def verify_token(secret: bytes, token: str) -> str | None:
-    """The execution id a token was minted for, or None for anything else (never raises)."""
+def verify_token(secret: bytes, token: str) -> TokenClaims | None:
+    """What a token was minted for, or None for anything else (never raises)."""
     if not isinstance(token, str) or len(token) > 200 or not secret:
         return None
     parts = token.split(".")
-    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+    if len(parts) != 4 or parts[0] != TOKEN_PREFIX:
         return None
-    _, execution_id, mac = parts
-    if not EXECUTION_ID_RE.fullmatch(execution_id) or len(mac) != _MAC_HEX_LEN:
+    _, execution_id, version, mac = parts
+    if not EXECUTION_ID_RE.fullmatch(execution_id) or not _VERSION_RE.fullmatch(version) or len(mac) != _MAC_HEX_LEN:
         return None
-    if not hmac.compare_digest(mac.encode("ascii", "replace"), _mac(secret, execution_id).encode("ascii")):
+    min_version = int(version)
+    if not hmac.compare_digest(mac.encode("ascii", "replace"), _mac(secret, execution_id, min_version).encode("ascii")):
         return None
-    return execution_id
+    return TokenClaims(execution_id, min_version)
 
 
 def bearer_token(authorization: str | None) -> str | None:

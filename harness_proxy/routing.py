@@ -4,7 +4,8 @@ The controller sends ``RoutingTable``s; a newer ``version`` replaces the one hel
 equal one is ignored (messages may arrive late). A call goes to the engine its (execution id,
 agent) last used while that engine is still in the table, so the engine's prefix cache keeps the
 agent's history warm; otherwise to the engine with the fewest in-flight calls, ties broken by the
-fewest sticky agents, then by cell id and url, so the choice is reproducible. The choice itself is
+fewest sticky agents, then by cell id and url, so the choice is reproducible. Engines whose listed
+weight version is below the call's ``min_version`` (from the execution's token) are never chosen. The choice itself is
 the pure function ``pick_engine``; ``Router`` holds the state around it. No I/O here.
 """
 
@@ -27,13 +28,15 @@ def pick_engine(
     num_sticky: Mapping[str, int],
     sticky_url: str | None = None,
     exclude: Collection[str] = (),
+    min_version: int = 0,
 ) -> EngineRoute | None:
-    """The engine for one call, or None when ``engines`` is empty.
+    """The engine for one call, or None when no engine has ``weight_version >= min_version``.
 
-    ``exclude`` holds engines that already failed this call; when every engine is excluded the
-    choice falls back to all of them (one may have recovered).
+    ``exclude`` holds engines that already failed this call; when every new-enough engine is
+    excluded the choice falls back to all of them (one may have recovered).
     """
-    candidates = [e for e in engines if e.url not in exclude] or list(engines)
+    fresh = [e for e in engines if e.weight_version >= min_version]
+    candidates = [e for e in fresh if e.url not in exclude] or fresh
     if not candidates:
         return None
     if sticky_url is not None:
@@ -67,11 +70,13 @@ class Router:
     def engines(self) -> list[EngineRoute]:
         return list(self.table.engines)
 
-    def choose(self, execution_id: str, agent: str, *, exclude: Collection[str] = ()) -> EngineRoute | None:
-        """Pick an engine and make it the agent's sticky one."""
+    def choose(
+        self, execution_id: str, agent: str, *, exclude: Collection[str] = (), min_version: int = 0
+    ) -> EngineRoute | None:
+        """Pick an engine (none older than ``min_version``) and make it the agent's sticky one."""
         route = pick_engine(
             self.table.engines, in_flight=self._in_flight, num_sticky=self._num_sticky,
-            sticky_url=self.sticky_url(execution_id, agent), exclude=exclude,
+            sticky_url=self.sticky_url(execution_id, agent), exclude=exclude, min_version=min_version,
         )
         if route is not None:
             self._bind(execution_id, agent, route.url)

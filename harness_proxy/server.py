@@ -231,6 +231,7 @@ class ProxyServer:
         self._secret = secret
         self._executions: dict[str, _Execution] = {}
         self._sealed: dict[str, int] = {}
+        self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._background: set[asyncio.Task[Any]] = set()
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -302,6 +303,7 @@ class ProxyServer:
             self.sessions.drop_execution(execution_id)
             self.minted.drop_execution(execution_id)
             self.router.forget(execution_id)
+            self._min_version.pop(execution_id, None)
             log.info(
                 "execution %s sealed: %d calls recorded, %d in flight cancelled",
                 execution_id, num_calls, len(exe.in_flight),
@@ -410,11 +412,13 @@ class ProxyServer:
         )
         if not token:
             raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
-        execution_id = verify_token(self._secret, token)
-        if execution_id is None:
+        claims = verify_token(self._secret, token)
+        if claims is None:
             raise ApiError(401, "invalid bearer token", code="invalid_api_key")
+        execution_id = claims.execution_id
         if execution_id in self._sealed:
             raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        self._min_version[execution_id] = claims.min_version
         return execution_id
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -592,9 +596,13 @@ class ProxyServer:
             except EngineUnavailable as exc:
                 last = f"cell {route.cell_id} ({route.url}): {exc}"
             else:
-                if result.finish != "abort":
+                floor = self._min_version.get(call.execution_id, 0)
+                if result.finish != "abort" and result.weight_version >= floor:
                     return result
-                last = f"cell {route.cell_id} ({route.url}) aborted the request (draining)"
+                if result.finish == "abort":
+                    last = f"cell {route.cell_id} ({route.url}) aborted the request (draining)"
+                else:  # the table listed it too new: never hand the harness (or training) a too-stale call
+                    last = f"cell {route.cell_id} ({route.url}) served weight v{result.weight_version} < v{floor}"
             log.warning(
                 "call %s (execution %s) attempt %d/%d failed: %s", call.call_id, call.execution_id,
                 attempt + 1, attempts, last,
@@ -610,7 +618,9 @@ class ProxyServer:
         deadline = asyncio.get_running_loop().time() + self.cfg.route_wait_s
         version = self.router.table.version
         while True:
-            route = self.router.choose(call.execution_id, call.agent, exclude=tried)
+            route = self.router.choose(
+                call.execution_id, call.agent, exclude=tried, min_version=self._min_version.get(call.execution_id, 0)
+            )
             if route is not None or asyncio.get_running_loop().time() >= deadline:
                 return route
             await asyncio.sleep(ROUTE_POLL_S)

@@ -99,7 +99,7 @@ class ScriptedEngine:
         self._runner: web.AppRunner | None = None
 
     def route(self) -> wire.EngineRoute:
-        return wire.EngineRoute(cell_id=self.cell_id, url=self.url)
+        return wire.EngineRoute(cell_id=self.cell_id, url=self.url, weight_version=self.weight_version)
 
     async def start(self) -> str:
         app = web.Application(client_max_size=64 * 1024 * 1024)

@@ -14,17 +14,30 @@ SECRET = b"k" * 32
 @given(st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True))
 def test_minted_tokens_verify_to_their_execution(execution_id):
     token = mint_token(SECRET, execution_id)
-    assert token.startswith(f"gyre.{execution_id}.")
-    assert verify_token(SECRET, token) == execution_id
+    assert token.startswith(f"gyre.{execution_id}.0.")
+    assert verify_token(SECRET, token) == (execution_id, 0)
     assert verify_token(b"other secret", token) is None
+
+
+@given(st.integers(min_value=0, max_value=10**10 - 1))
+def test_the_version_floor_is_signed_with_the_execution(min_version):
+    token = mint_token(SECRET, "ex-1", min_version=min_version)
+    assert verify_token(SECRET, token) == ("ex-1", min_version)
+    prefix, eid, version, mac = token.split(".")
+    # A harness cannot lower its own floor (or raise it): the MAC covers the version.
+    assert verify_token(SECRET, f"{prefix}.{eid}.{min_version + 1}.{mac}") is None
+    if min_version:
+        assert verify_token(SECRET, f"{prefix}.{eid}.0.{mac}") is None
 
 
 def test_tampered_tokens_are_refused():
     token = mint_token(SECRET, "ex-1")
-    prefix, eid, mac = token.split(".")
-    assert verify_token(SECRET, f"{prefix}.ex-2.{mac}") is None
-    assert verify_token(SECRET, f"{prefix}.{eid}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}") is None
-    assert verify_token(SECRET, f"other.{eid}.{mac}") is None
+    prefix, eid, version, mac = token.split(".")
+    assert verify_token(SECRET, f"{prefix}.ex-2.{version}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}") is None
+    assert verify_token(SECRET, f"other.{eid}.{version}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.00.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{mac}") is None
     assert verify_token(SECRET, token + ".x") is None
     assert verify_token(SECRET, token.upper()) is None
 
@@ -40,6 +53,9 @@ def test_minting_refuses_ids_outside_the_alphabet(bad):
         mint_token(SECRET, bad)
     with pytest.raises(ValueError):
         mint_token(b"", "ok")
+    for version in (-1, 10**10, True, 1.0):
+        with pytest.raises(ValueError):
+            mint_token(SECRET, "ok", min_version=version)
 
 
 def test_bearer_header_parsing():

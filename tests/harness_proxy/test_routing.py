@@ -55,3 +55,12 @@ def test_router_tables_stickiness_and_load():
     assert r.choose("a", "") == E[2] and r.sticky_url("a", "") == E[2].url  # e1 holds b and c
     r.forget("a")
     assert r.sticky_url("a", "") is None
+
+
+def test_engines_older_than_the_floor_are_never_chosen():
+    versions = [EngineRoute(cell_id=i, url=f"http://v{i}", weight_version=i) for i in range(3)]
+    assert pick_engine(versions, in_flight={}, num_sticky={}, min_version=1) == versions[1]
+    assert pick_engine(versions, in_flight={}, num_sticky={}, sticky_url="http://v0", min_version=2) == versions[2]
+    # Excluding every new-enough engine falls back to them, never to an older one.
+    assert pick_engine(versions, in_flight={}, num_sticky={}, exclude={"http://v2"}, min_version=2) == versions[2]
+    assert pick_engine(versions, in_flight={}, num_sticky={}, min_version=3) is None

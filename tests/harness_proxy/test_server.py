@@ -403,6 +403,37 @@ def test_calls_stick_to_their_engine_while_it_serves(proxy):
     assert [r.cell_id for r in records(proxy.recv_all())] == [1, 1]
 
 
+def test_a_call_never_reaches_an_engine_older_than_its_token_allows(proxy):
+    """The staleness race: the harness calls before the routing table that drops a too-old cell
+    arrives. The floor in the execution's token keeps the call off that cell; it waits for a table
+    with a new-enough engine instead of being answered by old weights."""
+    old, new = proxy.engines
+    old.weight_version, new.weight_version = 1, 3
+    proxy.set_routes([old])  # the stale table: only the v1 cell is listed
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=mint_token(SECRET, "ex-f", min_version=2),
+                           max_retries=0, timeout=30)
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])))
+    t.start()
+    time.sleep(0.5)
+    assert not done and old.requests == []  # waiting, not served by v1
+    proxy.set_routes([old, new])
+    t.join(10)
+    assert done and old.requests == []
+    (rec,) = records(proxy.recv_all())
+    assert (rec.cell_id, rec.weight_version) == (1, 3)
+    # An engine that answers with older weights than it was listed with is not believed either.
+    new.weight_version = 1
+    proxy.routing_version += 1
+    proxy.lt.call(proxy.server.apply_routing_table, wire.RoutingTable(
+        version=proxy.routing_version, engines=[wire.EngineRoute(cell_id=1, url=new.url, weight_version=3)]))
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}])
+    assert err.value.status_code == 503 and "served weight v1 < v2" in err.value.message
+    assert records(proxy.recv_all()) == []
+
+
 def test_an_older_routing_table_is_ignored(proxy):
     assert not proxy.lt.call(proxy.server.apply_routing_table, wire.RoutingTable(version=0, engines=[]))
     assert get_raw(proxy.url, "/health")[1]["num_engines"] == 2

@@ -37,9 +37,20 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EmbeddedTrainerConfig:
-    """The torch trainer of one process (cellrunner.trainer): nothing to set."""
+    """Typed mirror of conf/trainer/embedded.yaml: the torch trainer of one process (cellrunner.trainer)."""
 
     kind: Literal["embedded"]
+    device_s_per_token: float = 0.0
+    """Emulate a cell's own accelerator: a microstep over n tokens takes at least n x this many
+    seconds, sleeping out whatever the real forward-backward did not use. On a cluster every cell
+    has its own GPUs; on one small CPU machine the cells' trainers share the cores, so training on
+    three cells at once is no faster than on one and no scheduler can show what it would gain.
+    With a tiny model and this set, each cell behaves like an independent device (bench.elastic).
+    0 (the default): off, the real compute time only."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.device_s_per_token < 1.0:
+            raise ValueError(f"trainer.device_s_per_token: want a number in [0, 1), got {self.device_s_per_token!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

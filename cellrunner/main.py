@@ -82,7 +82,8 @@ def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
 
         return MegatronTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
                                megatron=cfg.trainer, seed=cfg.seed)
-    return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core)
+    return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
+                           device_s_per_token=cfg.trainer.device_s_per_token)
 
 
 def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int) -> Any:

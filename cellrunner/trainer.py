@@ -53,7 +53,10 @@ def split_by_tokens(sequences: list[Sequence], max_tokens: int) -> list[list[Seq
 
 
 class EmbeddedTrainer:
-    def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool):
+    def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool,
+                 device_s_per_token: float = 0.0):
+        self.device_s_per_token = device_s_per_token
+        """>0: a microstep lasts at least its tokens x this (EmbeddedTrainerConfig.device_s_per_token)."""
         self.model_cfg = model_cfg
         self.algo = algo
         self.vocab_size = vocab_size
@@ -137,6 +140,11 @@ class EmbeddedTrainer:
             ratios += stats.mean_ratio * len(chunk)
             clips += stats.clip_fraction * len(chunk)
             n += len(chunk)
+        if self.device_s_per_token > 0:
+            # the emulated accelerator: sleep (no CPU) until the device would have finished
+            left = self.device_s_per_token * sum(len(s.tokens) for s in sequences) - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
         self.num_microsteps += 1
         return MicrostepResult(
             num_tokens=num_tokens,

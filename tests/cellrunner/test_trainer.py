@@ -2,13 +2,14 @@
 one a single replica computes on all of them."""
 
 import random
+import time
 
 import numpy as np
 import pytest
 import yaml
 import zmq
 
-from cellrunner.config import ModelConfig
+from cellrunner.config import EmbeddedTrainerConfig, ModelConfig
 from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import build_model, flatten_grads, flatten_params
 from cellrunner.trainer import EmbeddedTrainer, split_by_tokens
@@ -162,3 +163,28 @@ def test_tree_packing_gives_the_same_update():
             trainer.microstep(sh)
         grads.append(trainer.take_grads())
     assert_same_gradient(grads[1], grads[0])
+
+
+def test_device_pacing_sets_a_floor_on_time_and_changes_nothing_else():
+    """trainer.device_s_per_token emulates a cell's own accelerator: a microstep lasts at least
+    tokens x pace (sleeping, not computing), and the gradient is the unpaced one."""
+    model_cfg, algo = cfgs()
+    shard = make_shards(random.Random(0), 1)[0]
+    tokens = sum(len(s.tokens) for s in shard.sequences)
+    plain = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
+    paced = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True, device_s_per_token=0.01)
+    for t in (plain, paced):
+        t.start(None)
+    cpu0 = time.process_time()
+    res = paced.microstep(shard)
+    cpu_s = time.process_time() - cpu0
+    assert res.fb_s >= 0.01 * tokens
+    assert cpu_s < 0.5 * res.fb_s  # the floor was slept, not computed
+    plain.microstep(shard)
+    assert_same_gradient(paced.take_grads(), plain.take_grads())
+
+
+def test_pacing_is_validated():
+    with pytest.raises(ValueError, match="device_s_per_token"):
+        build(EmbeddedTrainerConfig, {"kind": "embedded", "device_s_per_token": -1})
+    assert build(EmbeddedTrainerConfig, yaml.safe_load(open("conf/trainer/embedded.yaml"))).device_s_per_token == 0

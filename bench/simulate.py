@@ -110,6 +110,7 @@ def embedded_setup(result: dict[str, Any]) -> dict[str, Any]:
         "workload": yaml.safe_load((conf / "workload" / "wordmap.yaml").read_text()),
         "scheduler": yaml.safe_load((conf / "scheduler" / "elastic.yaml").read_text()),
         "cluster": yaml.safe_load((conf / "cluster" / "local.yaml").read_text()),
+        "trainer": yaml.safe_load((conf / "trainer" / "embedded.yaml").read_text()),
     }
     for item in result["config"]["overrides"]:
         key, _, value = item.partition("=")
@@ -133,11 +134,15 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
         raise CalibrationError(f"not measured in the result file: {missing} (microstep times need the "
                                "controller's 'microstep' metrics events)")
     per_group = max(1, round(cal["microsteps_per_step"] / wl["groups_per_step"]))
+    # With emulated accelerators (trainer.device_s_per_token) a microstep mostly sleeps, so cells
+    # train side by side as on separate nodes; without, the cells share the machine's cores.
+    paced = float(cfg["trainer"].get("device_s_per_token") or 0) > 0
+    cpus = int(result["host"]["cpu_count"])
     cells = CellCosts(
         num_cells=cl["num_cells"], nodes_per_cell=1, capacity_per_cell=sch["capacity_per_cell"],
         to_train_s=cal["to_train_s"], to_serve_s=cal["to_serve_s"], weight_transfer_s=cal["weight_transfer_s"],
         grad_transfer_s=GRAD_TRANSFER_S_ASSUMED, microstep_s=cal["microstep_s"], apply_s=cal["apply_s"],
-        compute_slots=int(result["host"]["cpu_count"]), reroute_s=0.0,
+        compute_slots=max(cpus, cl["num_cells"]) if paced else cpus, reroute_s=0.0,
     )
     shape = WorkloadShape(
         steps=result["config"]["steps"], groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],

@@ -54,6 +54,21 @@ class EmbeddedTrainerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MooncakeConfig:
+    """Typed mirror of ``cluster.mooncake`` (conf/cluster/local.yaml): how ``transfer=mooncake`` moves weights."""
+
+    protocol: Literal["tcp", "rdma"]
+    """``tcp`` anywhere; ``rdma`` on InfiniBand/RoCE clusters (GPUDirect when ``memory=cuda``)."""
+    device_name: str
+    """The RDMA NICs Mooncake may use, comma separated (``mlx5_0,mlx5_1``); empty: Mooncake picks
+    (its topology discovery). Ignored with ``tcp``."""
+    memory: Literal["cpu", "cuda"]
+    """Where the registered buffers live: host memory, or the cell's current CUDA device, so the
+    core's slots are filled device-to-device and a satellite's pull lands in GPU memory without a
+    host copy (needs the CUDA build, ``mooncake-transfer-engine``, from the ``[gpu]`` extra)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmbeddedEngineConfig:
     """The torch engine on SGLang's native API (cellrunner.engine): nothing to set."""
 

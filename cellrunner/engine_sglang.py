@@ -135,7 +135,7 @@ def write_weights(weights: FlatWeights, directory: str, *, dtype: torch.dtype, c
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    src = torch.from_numpy(weights.data)
+    src = weights.tensor()
     tensors = {}
     for spec in weights.specs:
         n = int(np.prod(spec.shape, dtype=np.int64))

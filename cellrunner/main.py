@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from cellrunner.config import (
-    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, SGLangConfig,
+    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.errors import BackendUnavailable
@@ -62,6 +62,7 @@ class CellRunnerConfig:
     transfer_timeout_s: float
     transfer: Literal["zmq", "mooncake"]
     """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
+    mooncake: MooncakeConfig
     seed: int
     checkpoint_dir: str
     """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) when an
@@ -100,14 +101,16 @@ def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int) -> Any:
 
 def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
     if cfg.transfer == "mooncake":
-        # TCP on one machine; an RDMA cluster passes protocol="rdma" (the Slurm issue's config).
-        return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol="tcp")
+        m = cfg.mooncake
+        return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol=m.protocol,
+                                       device_name=m.device_name, memory=m.memory)
     return WeightServer(ctx, f"tcp://{cfg.host}:0")
 
 
 def make_weight_puller(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPuller:
     if cfg.transfer == "mooncake":
-        return MooncakeWeightPuller(ctx, host=cfg.host, protocol="tcp")
+        m = cfg.mooncake
+        return MooncakeWeightPuller(ctx, host=cfg.host, protocol=m.protocol, device_name=m.device_name, memory=m.memory)
     return ZmqWeightPuller(ctx)
 
 

@@ -220,7 +220,7 @@ def hf_tensors(weights: FlatWeights, layout: Qwen3Layout) -> dict[str, torch.Ten
         wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
         raise ValueError(f"weights: manifest does not match this model (missing {missing[:3]}, "
                          f"unexpected {extra[:3]}, wrong shape {wrong[:3]})")
-    src = torch.from_numpy(weights.data)
+    src = weights.tensor()
     out = {}
     for s in weights.specs:
         n = int(np.prod(s.shape, dtype=np.int64))

@@ -46,11 +46,20 @@ class FlatWeights:
 
     version: int
     specs: tuple[TensorSpec, ...]
-    data: np.ndarray  # float32, 1-D
+    data: np.ndarray
+    """float32, 1-D; a torch CUDA tensor when a Mooncake pull landed in GPU memory."""
 
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+    @property
+    def num_elements(self) -> int:
+        return int(self.data.size) if isinstance(self.data, np.ndarray) else int(self.data.numel())
+
+    def tensor(self) -> torch.Tensor:
+        """The data as a torch tensor, without a copy (CPU for numpy, as it is for a tensor)."""
+        return torch.from_numpy(self.data) if isinstance(self.data, np.ndarray) else self.data
 
 
 def param_specs(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
@@ -85,7 +94,7 @@ def load_flat(model: torch.nn.Module, weights: FlatWeights) -> None:
     own = param_specs(model)
     if [(s.name, s.shape) for s in own] != [(s.name, s.shape) for s in weights.specs]:
         raise ValueError("weights: manifest does not match this model's parameters")
-    src = torch.from_numpy(weights.data)
+    src = weights.tensor()
     with torch.no_grad():
         for spec, p in zip(own, model.parameters()):
             n = p.numel()

@@ -19,6 +19,11 @@ write could have touched, and the core never waits for a slow reader.
 
 Mooncake runs in P2PHANDSHAKE mode: no metadata server; a peer is named ``host:rpc_port``.
 The API calls used are the ones verified on this stack (``shared/notes/cpu-stack.md`` §5).
+
+Memory (``cluster.mooncake.memory``): ``cpu`` registers numpy buffers; ``cuda`` registers torch
+tensors on the process's current CUDA device (the CUDA build of Mooncake finds the device from
+the address, and with ``protocol=rdma`` reads go GPU to GPU by GPUDirect RDMA). A pull then
+returns FlatWeights whose ``data`` is that CUDA tensor; ``FlatWeights.tensor()`` reads either.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ MAX_TORN_RETRIES = 8
 core publishes once a step, so more than one retry in a row means the core is stuck writing."""
 MAX_CONTROL_BYTES = 16 * 1024 * 1024
 MooncakeProtocol = Literal["tcp", "rdma"]
+MooncakeMemory = Literal["cpu", "cuda"]
 
 
 class MooncakeUnavailable(BackendUnavailable):
@@ -86,26 +92,70 @@ def transfer_engine_class() -> Any:
     return TransferEngine
 
 
-def start_engine(host: str, protocol: MooncakeProtocol) -> tuple[Any, str]:
-    """A P2P-handshake engine listening on ``host``; returns it and its session id."""
+def start_engine(host: str, protocol: MooncakeProtocol, device_name: str = "") -> tuple[Any, str]:
+    """A P2P-handshake engine listening on ``host``; returns it and its session id.
+
+    ``device_name``: the RDMA NICs to use (``mlx5_0,mlx5_1``), empty for Mooncake's own choice."""
     engine = transfer_engine_class()()
-    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+    nics = device_name if protocol == "rdma" else ""
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, nics)
     if rc != 0:
-        raise TransferError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        raise TransferError(f"mooncake: initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {nics!r}) returned {rc}")
     return engine, f"{host}:{engine.get_rpc_port()}"
 
 
-class RegisteredBuffer:
-    """A float32 array registered with one engine until ``release``."""
+class CudaMemoryUnavailable(BackendUnavailable):
+    """``cluster.mooncake.memory=cuda`` in a process that sees no CUDA device."""
 
-    def __init__(self, engine: Any, num_elements: int):
-        self.data = np.empty(num_elements, dtype="<f4")
-        # Touch every page now: first-touch faults would otherwise land inside the first transfer.
-        self.data.fill(0.0)
-        self.addr = int(self.data.ctypes.data)
-        rc = engine.register_memory(self.addr, self.data.nbytes)
+
+def require_cuda() -> None:
+    """Checked when a publisher or puller is made, so a misconfigured cell stops at start-up."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CudaMemoryUnavailable("cluster.mooncake.memory=cuda: this process sees no CUDA device "
+                                    "(set cluster.mooncake.memory=cpu, or run the cell on a GPU node "
+                                    "with the [gpu] install)")
+
+
+def cuda_zeros(num_elements: int) -> Any:
+    """A float32 tensor on this process's current CUDA device."""
+    import torch
+
+    require_cuda()
+    return torch.zeros(num_elements, dtype=torch.float32, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+class RegisteredBuffer:
+    """``num_elements`` float32 values registered with one engine until ``release``: a numpy array
+    in host memory, or a torch tensor on the current CUDA device (``memory="cuda"``)."""
+
+    def __init__(self, engine: Any, num_elements: int, memory: MooncakeMemory = "cpu"):
+        self.num_elements = num_elements
+        self.nbytes = num_elements * 4
+        self.data: Any
+        if memory == "cuda":
+            self.data = cuda_zeros(num_elements)  # zeroed on the device: its pages are mapped now
+            self.addr = int(self.data.data_ptr())
+        else:
+            self.data = np.empty(num_elements, dtype="<f4")
+            # Touch every page now: first-touch faults would otherwise land inside the first transfer.
+            self.data.fill(0.0)
+            self.addr = int(self.data.ctypes.data)
+        rc = engine.register_memory(self.addr, self.nbytes)
         if rc != 0:
-            raise TransferError(f"mooncake: register_memory of {self.data.nbytes} bytes returned {rc}")
+            raise TransferError(f"mooncake: register_memory of {self.nbytes} bytes ({memory}) returned {rc}")
+
+    def write(self, src: Any) -> None:
+        """Copy ``src`` (a numpy array or a torch tensor, CPU or CUDA) into the buffer."""
+        if isinstance(self.data, np.ndarray):
+            if not isinstance(src, np.ndarray):
+                src = src.detach().cpu().numpy()
+            np.copyto(self.data, src, casting="no")
+        else:
+            import torch
+
+            self.data.copy_(torch.from_numpy(src) if isinstance(src, np.ndarray) else src)
 
     def release(self, engine: Any) -> None:
         engine.unregister_memory(self.addr)
@@ -126,8 +176,12 @@ class _Slot:
 class MooncakeWeightPublisher:
     """The core's ``WeightPublisher``: two registered slots, a control ROUTER on its own thread."""
 
-    def __init__(self, ctx: zmq.Context, bind_addr: str, *, host: str, protocol: MooncakeProtocol = "tcp"):
-        self._engine, self.session_id = start_engine(host, protocol)
+    def __init__(self, ctx: zmq.Context, bind_addr: str, *, host: str, protocol: MooncakeProtocol = "tcp",
+                 device_name: str = "", memory: MooncakeMemory = "cpu"):
+        if memory == "cuda":
+            require_cuda()
+        self._memory: MooncakeMemory = memory
+        self._engine, self.session_id = start_engine(host, protocol, device_name)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(bind_addr)
@@ -141,11 +195,11 @@ class MooncakeWeightPublisher:
     def publish(self, weights: FlatWeights) -> None:
         """Copy ``weights`` into the slot not offered now, then offer it. One thread only."""
         target = 0 if self._latest is None else 1 - self._latest
-        slot = self._slot(target, int(weights.data.size))
+        slot = self._slot(target, weights.num_elements)
         with self._lock:
             slot.generation += 1  # before the first byte changes: readers of the old bytes fail their check
             slot.writing = True
-        np.copyto(slot.buffer.data, weights.data, casting="no")
+        slot.buffer.write(weights.data)
         with self._lock:
             slot.writing = False
             slot.version, slot.specs = weights.version, weights.specs
@@ -166,11 +220,11 @@ class MooncakeWeightPublisher:
         self._engine = None  # the engine's own threads and ports go with the object
 
     def _slot(self, index: int, num_elements: int) -> _Slot:
-        held = self._slots[0].buffer.data.size if self._slots else num_elements
+        held = self._slots[0].buffer.num_elements if self._slots else num_elements
         if held != num_elements:
             raise ValueError(f"publish: {num_elements} elements, the registered slots hold {held}")
         if index == len(self._slots):  # registered once, on the first version that needs it
-            self._slots.append(_Slot(RegisteredBuffer(self._engine, num_elements)))
+            self._slots.append(_Slot(RegisteredBuffer(self._engine, num_elements, self._memory)))
         return self._slots[index]
 
     def _serve(self) -> None:
@@ -204,7 +258,7 @@ class MooncakeWeightPublisher:
                 return ErrorReply(where="pull_weights", message=f"have version {have}, asked for >= {req.min_version}")
             slot = self._slots[self._latest]
             return WeightsOffer(
-                weight_version=slot.version, num_elements=int(slot.buffer.data.size), tensors=list(slot.specs),
+                weight_version=slot.version, num_elements=slot.buffer.num_elements, tensors=list(slot.specs),
                 session_id=self.session_id, remote_addr=slot.buffer.addr, slot=self._latest,
                 generation=slot.generation,
             )
@@ -219,17 +273,22 @@ class MooncakeWeightPublisher:
 class MooncakeWeightPuller:
     """A satellite's ``WeightPuller``: one registered receive buffer, reused by every pull.
 
-    The FlatWeights a pull returns is a view of that buffer: load it before the next pull.
+    The FlatWeights a pull returns is a view of that buffer (a CUDA tensor with ``memory="cuda"``):
+    load it before the next pull.
     """
 
     def __init__(
-        self, ctx: zmq.Context, *, host: str, protocol: MooncakeProtocol = "tcp",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_torn_retries: int = MAX_TORN_RETRIES,
+        self, ctx: zmq.Context, *, host: str, protocol: MooncakeProtocol = "tcp", device_name: str = "",
+        memory: MooncakeMemory = "cpu", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_torn_retries: int = MAX_TORN_RETRIES,
     ):
         if chunk_bytes < 4096 or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes: want a multiple of 4 >= 4096, got {chunk_bytes}")
+        if memory == "cuda":
+            require_cuda()
         self._ctx = ctx
-        self._engine, self.session_id = start_engine(host, protocol)
+        self._memory: MooncakeMemory = memory
+        self._engine, self.session_id = start_engine(host, protocol, device_name)
         self.chunk_bytes = chunk_bytes
         """Size of each read in a pull's batch; may be changed between pulls (bench.transfer does)."""
         self._max_torn_retries = max_torn_retries
@@ -282,9 +341,9 @@ class MooncakeWeightPuller:
         return reply
 
     def _receive_buffer(self, num_elements: int) -> RegisteredBuffer:
-        if self._buffer is None or self._buffer.data.size != num_elements:
+        if self._buffer is None or self._buffer.num_elements != num_elements:
             self._drop_buffer()  # only when the model changes size: registration is once per size
-            self._buffer = RegisteredBuffer(self._engine, num_elements)
+            self._buffer = RegisteredBuffer(self._engine, num_elements, self._memory)
         return self._buffer
 
     def _drop_buffer(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cellrunner.config import (
-    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, SGLangConfig,
+    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
@@ -61,6 +61,8 @@ class ClusterConfig:
     transfer: Literal["zmq", "mooncake"]
     """How satellites pull weights from the core: `zmq` frames, or `mooncake` Transfer Engine reads
     (TCP here, RDMA on clusters; needs the mooncake package, see cellrunner/transfer_mooncake.py)."""
+    mooncake: MooncakeConfig
+    """With ``transfer=mooncake``: protocol, RDMA NICs, host or CUDA memory."""
 
     def check(self) -> None:
         if self.num_cells < 1:

@@ -555,7 +555,7 @@ def cellrunner_config(
         "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
         "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
         "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
-        "transfer": c.cluster.transfer, "seed": c.run.seed, "checkpoint_dir": str(checkpoint_dir),
+        "transfer": c.cluster.transfer, "mooncake": to_dict(c.cluster.mooncake), "seed": c.run.seed, "checkpoint_dir": str(checkpoint_dir),
         "resume_from": str(resume_from.path) if resume_from else "",
         "resume_version": resume_from.version if resume_from else 0,
         "trainer": to_dict(c.trainer), "engine": to_dict(c.engine), "log_dir": str(log_dir),

@@ -11,7 +11,8 @@ through what a Gyre cell does on a cluster, with the production classes:
    same weights (the train/inference mismatch).
 4. A role switch train -> serve with the new version, timed; the served weight_version checked.
 5. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
-6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes.
+6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes:
+   raw Mooncake reads, and Gyre's own publisher/puller with ``cluster.mooncake.memory=cuda``.
 
 Each stage runs in its own guard: a failure is recorded under ``errors`` and the check goes on
 where it can, so one run gives every figure it can. Not a test: nothing is asserted but shapes.
@@ -219,6 +220,63 @@ def mooncake_reader(protocol: str, session: str, remote: int, nbytes: int, check
                       "seconds": [round(t, 4) for t in times], "verified": ok}))
 
 
+def gyre_cuda_pull(nbytes: int, protocol: str, report: Report) -> None:
+    """Gyre's own transfer=mooncake path with ``cluster.mooncake.memory=cuda``: this process is the
+    core (MooncakeWeightPublisher, slots in GPU memory, filled device to device), a child is a
+    satellite (MooncakeWeightPuller, its receive buffer in GPU memory) that pulls, checks and times."""
+    import torch
+    import zmq
+
+    from cellrunner.model import FlatWeights
+    from cellrunner.transfer_mooncake import MooncakeWeightPublisher
+    from controller.wire import TensorSpec
+
+    n = nbytes // 4
+    data = torch.randn(n, device="cuda")
+    checksum = float(data.double().sum())
+    pub = MooncakeWeightPublisher(zmq.Context.instance(), "tcp://127.0.0.1:0", host="127.0.0.1", protocol=protocol,
+                                  memory="cuda")
+    pub.start()
+    publish_s = -1.0
+    try:
+        t = time.perf_counter()
+        pub.publish(FlatWeights(1, (TensorSpec(name="w", shape=[n], offset=0),), data))
+        torch.cuda.synchronize()
+        publish_s = time.perf_counter() - t
+        cmd = [sys.executable, __file__, "--gyre-puller", protocol, pub.addr, str(nbytes), repr(checksum)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, min(120.0, report.left())))
+        last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+        res = json.loads(last) if last.startswith("{") else {"error": f"puller exited {out.returncode}: {out.stderr[-500:]}"}
+    except subprocess.TimeoutExpired:
+        res = {"error": "puller timed out"}
+    finally:
+        pub.close()
+    report.figures.setdefault("gyre_cuda_pull", {})[protocol] = {"bytes": nbytes, "publish_s": round(publish_s, 4), **res}
+
+
+def gyre_puller(protocol: str, addr: str, nbytes: int, checksum: float) -> None:
+    import torch
+    import zmq
+
+    from cellrunner.transfer_mooncake import MooncakeWeightPuller
+
+    puller = MooncakeWeightPuller(zmq.Context.instance(), host="127.0.0.1", protocol=protocol, memory="cuda",
+                                  chunk_bytes=CHUNK_BYTES)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        got = puller.pull(addr, 1, timeout_s=60)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    on_gpu = bool(getattr(got.data, "is_cuda", False))
+    ok = on_gpu and abs(float(got.data.double().sum()) - checksum) <= 1e-6 * max(1.0, abs(checksum))
+    puller.close()
+    print(json.dumps({"gib_per_s_best": round(nbytes / min(times) / 2**30, 3),
+                      "gib_per_s_median": round(nbytes / sorted(times)[1] / 2**30, 3),
+                      "seconds": [round(t, 4) for t in times], "landed_on_gpu": on_gpu, "verified": ok}))
+
+
 def run(args: argparse.Namespace) -> dict:
     report = Report(args.budget_s)
     figures = report.figures
@@ -362,6 +420,11 @@ def run(args: argparse.Namespace) -> dict:
                     engine.stop()
                     engine = None
                 mooncake_pull(args.mooncake_mib << 20, args.mooncake_protocols.split(","), report)
+                for protocol in args.mooncake_protocols.split(","):
+                    try:
+                        gyre_cuda_pull(args.mooncake_mib << 20, protocol, report)
+                    except Exception as exc:  # noqa: BLE001 - reported, the other protocol still runs
+                        report.figures.setdefault("gyre_cuda_pull", {})[protocol] = {"error": f"{type(exc).__name__}: {exc}"}
     except TimeUp as exc:  # raised between stages
         report.errors["time_limit"] = str(exc)
     finally:
@@ -377,6 +440,10 @@ def main() -> None:
     if len(sys.argv) == 7 and sys.argv[1] == "--mooncake-reader":
         _, _, protocol, session, remote, nbytes, checksum = sys.argv
         mooncake_reader(protocol, session, int(remote), int(nbytes), int(checksum))
+        return
+    if len(sys.argv) == 6 and sys.argv[1] == "--gyre-puller":
+        _, _, protocol, addr, nbytes, checksum = sys.argv
+        gyre_puller(protocol, addr, int(nbytes), float(checksum))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-s", type=float, default=450.0, help="stages that would not fit are skipped")

@@ -27,7 +27,8 @@ from cellrunner.config import ModelConfig
 from cellrunner.model import FlatWeights, build_model, flatten_params, load_flat
 from cellrunner.transfer import TransferError
 from cellrunner.transfer_mooncake import (
-    MooncakeUnavailable, MooncakeWeightPublisher, MooncakeWeightPuller, decode_control, transfer_engine_class,
+    CudaMemoryUnavailable, MooncakeUnavailable, MooncakeWeightPublisher, MooncakeWeightPuller, decode_control,
+    transfer_engine_class,
 )
 from controller.typed_config import build
 from controller.wire import (
@@ -356,3 +357,46 @@ def test_a_cell_without_the_package_exits_saying_what_to_install(tmp_path: Path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "mooncake-transfer-engine-non-cuda" in proc.stderr and "apt-get install -y libibverbs1" in proc.stderr
     assert "libibverbs.so.1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cuda_memory_without_a_device_stops_at_start_up(tmp_path: Path) -> None:
+    """``cluster.mooncake.memory=cuda`` on a host with no CUDA device: the publisher and puller
+    refuse at construction (a cell exits 2 with this line), not at the first weight pull."""
+    import torch
+
+    if torch.cuda.is_available():  # this check is about hosts without one; GPU hosts run gpu_check
+        pytest.skip("a CUDA device is present")
+    for make in (lambda: MooncakeWeightPublisher(zmq.Context.instance(), f"tcp://{HOST}:0", host=HOST, memory="cuda"),
+                 lambda: MooncakeWeightPuller(zmq.Context.instance(), host=HOST, memory="cuda")):
+        with pytest.raises(CudaMemoryUnavailable, match="cluster.mooncake.memory=cpu"):
+            make()
+
+
+def test_the_mooncake_block_is_typed_config(tmp_path: Path) -> None:
+    from bench.switch import load_config
+    from controller.controller import cellrunner_config
+
+    cfg = load_config(["transfer=mooncake", "cluster.mooncake.protocol=rdma", "cluster.mooncake.device_name=mlx5_0"])
+    assert (cfg.cluster.transfer, cfg.cluster.mooncake.protocol, cfg.cluster.mooncake.memory) == ("mooncake", "rdma", "cpu")
+    sent = cellrunner_config(cfg, checkpoint_dir=tmp_path, log_dir=tmp_path)["mooncake"]
+    assert sent == {"protocol": "rdma", "device_name": "mlx5_0", "memory": "cpu"}
+    with pytest.raises(Exception, match="memory"):
+        load_config(["cluster.mooncake.memory=gpu"])
+
+
+def test_a_slot_takes_torch_tensors_too(ctx: zmq.Context) -> None:
+    """A trainer on GPUs hands the publisher torch tensors; a host-memory slot copies them in."""
+    import torch
+
+    w = tiny_weights(3)
+    pub = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST)
+    pub.start()
+    puller = MooncakeWeightPuller(ctx, host=HOST)
+    try:
+        pub.publish(FlatWeights(w.version, w.specs, torch.from_numpy(w.data.copy())))
+        got = puller.pull(pub.addr, 3, timeout_s=30)
+        assert got.version == 3 and np.array_equal(got.data, w.data)
+        assert torch.equal(got.tensor(), torch.from_numpy(w.data))
+    finally:
+        puller.close()
+        pub.close()

@@ -343,6 +343,7 @@ class Controller:
             cell.weight_version = msg.weight_version
             self.metrics.log("weights_loaded", t=time.monotonic() - self.t0, cell=msg.cell_id,
                              weight_version=msg.weight_version, load_s=msg.load_s)
+            self.push_routing()  # now, not at the end of the tick: the new step's first calls wait for it
 
     def on_shard_ready(self, ident: bytes, msg: wire.ShardReady) -> None:
         if self._is_peer(ident, "processor"):

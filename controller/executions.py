@@ -7,6 +7,7 @@ grader failure is excluded from training (reward None), never scored 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -120,6 +121,11 @@ class ExecutionManager:
         out = open(self.work_dir / f"{ex.execution_id}.log", "wb")
         ex.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         out.close()
+        if self.cfg.harness_nice:
+            # After the spawn rather than in a preexec_fn (which would stop Popen using vfork): the
+            # child has at most begun its interpreter's start-up at the controller's priority.
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, ex.proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.cfg.harness_nice))
         ex.workspace = ws
         ex.started_at = now
         ex.move("running")

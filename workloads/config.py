@@ -44,8 +44,14 @@ class WorkloadConfig:
     """A harness run past this is killed and graded from its workspace (partial grading)."""
     task_seed: int
     think_time: ThinkTimeConfig
+    harness_nice: int = 10
+    """How far below the controller's CPU priority harness processes run (``nice`` steps), so a burst of harness start-ups (a step's
+    group launched at once) cannot starve the controller, proxy and cells sharing the node's
+    cores; 0 keeps the controller's priority."""
 
     def check(self) -> None:
+        if not 0 <= self.harness_nice <= 19:
+            raise ValueError("harness_nice: want 0..19")
         if self.group_size < 2:
             raise ValueError("group_size: want >= 2 (advantages are normalised within a group)")
         if not 1 <= self.min_usable_per_group <= self.group_size:

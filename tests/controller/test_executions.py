@@ -62,3 +62,32 @@ def test_crashed_run_is_excluded_not_zero(tmp_path):
     (ended,) = wait_ended(mgr, 60.0)
     assert ended.outcome == "crashed" and ended.state == "grade_failed"
     assert ended.reward is None and mgr.num_crashed == 1
+
+
+def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp_path):
+    """workload.harness_nice: a step's burst of harness start-ups must not starve the controller
+    (it delayed routing of the new weights by ~2 s per step in bench.elastic). The token the
+    harness is given carries the execution's weight-version floor."""
+    import os
+
+    from harness_proxy.auth import verify_token
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    cfg = workload(timeout_s=5.0)
+    task = make_tasks(cfg)[0][0]
+    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           model_name="m", secret=b"k" * 32)
+    (ex,) = mgr.plan_group(step=4, group_id="s4-g0", task=task, train=True, temperature=1.0, size=1, min_version=3)
+    mgr.launch(ex, time.monotonic())
+    try:
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, ex.proc.pid) == min(19, ours + cfg.harness_nice)
+        argv = open(f"/proc/{ex.proc.pid}/cmdline", "rb").read().split(b"\0")
+        token = argv[argv.index(b"--api-key") + 1].decode()
+        assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3)
+    finally:
+        ex.proc.kill()
+        ex.proc.wait()
+        silent.close()

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "crashed": ("grade_failed",),
 }
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SPAWN_THREADS = 4
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Execution:
     error: str = ""
     workspace: Path | None = None
     proc: subprocess.Popen | None = None
+    spawning: Future[subprocess.Popen] | None = None
+    """The spawn in flight on the manager's spawner threads; ``proc`` once it is done."""
     started_at: float = 0.0
     ended_at: float = 0.0
 
@@ -66,6 +70,13 @@ class Execution:
     def live(self) -> bool:
         return self.state in ("queued", "running")
 
+    def process(self, timeout_s: float = 30.0) -> subprocess.Popen:
+        """The harness process, waiting for its spawn if it is still in flight (tests, shutdown)."""
+        if self.proc is None and self.spawning is not None:
+            self.proc = self.spawning.result(timeout=timeout_s)
+        assert self.proc is not None, f"execution {self.execution_id} was never launched"
+        return self.proc
+
 
 class ExecutionManager:
     def __init__(self, *, workload: WorkloadConfig, work_dir: Path, proxy_url: str, model_name: str, secret: bytes):
@@ -77,6 +88,10 @@ class ExecutionManager:
         self.executions: dict[str, Execution] = {}
         self.num_crashed = 0
         self.num_timed_out = 0
+        # Popen returns only once the child has exec'd; on a loaded node that is tens of ms per
+        # harness, and a step's burst of launches held the control loop for 2-3 s. Spawning on
+        # these threads keeps the loop answering cells and the proxy meanwhile.
+        self._spawner = ThreadPoolExecutor(max_workers=SPAWN_THREADS, thread_name_prefix="harness-spawn")
         self.num_grade_failed = 0
 
     def plan_group(self, *, step: int, group_id: str, task: Task, train: bool, temperature: float, size: int,
@@ -118,17 +133,34 @@ class ExecutionManager:
             argv += ["--think-median-s", str(think.median_s), "--think-sigma", str(think.sigma),
                      "--think-max-s", str(think.max_s), "--think-seed", str(think.seed)]
         env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-        out = open(self.work_dir / f"{ex.execution_id}.log", "wb")
-        ex.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        out.close()
+        ex.spawning = self._spawner.submit(self._spawn, argv, env, self.work_dir / f"{ex.execution_id}.log")
+        ex.workspace = ws
+        ex.started_at = now  # the timeout clock starts now, spawn included
+        ex.move("running")
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        """On a spawner thread: start one harness (its own session, lower CPU priority)."""
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
         if self.cfg.harness_nice:
             # After the spawn rather than in a preexec_fn (which would stop Popen using vfork): the
             # child has at most begun its interpreter's start-up at the controller's priority.
             with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, ex.proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.cfg.harness_nice))
-        ex.workspace = ws
-        ex.started_at = now
-        ex.move("running")
+                os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.cfg.harness_nice))
+        return proc
+
+    def _spawned(self, ex: Execution) -> bool:
+        """Whether ``ex.proc`` is there; a spawn that failed (OSError) crashes the execution."""
+        if ex.proc is not None:
+            return True
+        if ex.spawning is None or not ex.spawning.done():
+            return False
+        try:
+            ex.proc = ex.spawning.result()
+        except OSError as exc:
+            ex.error = f"harness did not start: {exc}"
+        return ex.proc is not None
 
     def poll(self, now: float) -> list[Execution]:
         """Reap ended harness runs, kill overdue ones, grade them; return the newly graded."""
@@ -136,7 +168,12 @@ class ExecutionManager:
         for ex in self.executions.values():
             if ex.state != "running":
                 continue
-            code = ex.proc.poll()
+            if not self._spawned(ex):
+                if ex.spawning is None or not ex.spawning.done():
+                    continue  # still spawning; its timeout clock runs
+                code: int | None = -1  # the spawn failed: a crash, excluded (ex.error says why)
+            else:
+                code = ex.proc.poll()
             if code is None and now - ex.started_at > self.cfg.timeout_s:
                 _kill(ex.proc)
                 ex.move("timed_out")
@@ -151,7 +188,7 @@ class ExecutionManager:
             else:
                 ex.move("crashed")
                 ex.outcome = "crashed"
-                ex.error = f"harness exit code {code}"
+                ex.error = ex.error or f"harness exit code {code}"
                 self.num_crashed += 1
                 log.error("execution %s: harness crashed (exit %s); excluded from training", ex.execution_id, code)
             ex.ended_at = now
@@ -174,8 +211,9 @@ class ExecutionManager:
             ex.move("graded")
 
     def kill_all(self) -> None:
+        self._spawner.shutdown(wait=True)  # every spawn in flight lands first, so none escapes
         for ex in self.executions.values():
-            if ex.state == "running" and ex.proc is not None:
+            if ex.state == "running" and self._spawned(ex):
                 _kill(ex.proc)
 
 

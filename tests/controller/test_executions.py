@@ -50,7 +50,21 @@ def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
     silent.close()
     assert ended.outcome == "timed_out" and ended.state == "graded"
     assert ended.reward == pytest.approx(1.0) and mgr.num_timed_out == 1
-    assert ended.proc.poll() is not None  # killed, not left behind
+    assert ended.process().poll() is not None  # killed, not left behind
+
+
+def test_a_harness_that_cannot_start_is_a_crash_not_a_hang(tmp_path, monkeypatch):
+    """The spawn runs off the control loop; when it fails, the execution is excluded as crashed."""
+    import controller.executions as executions
+
+    cfg = workload(timeout_s=60.0)
+    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url="http://127.0.0.1:9", model_name="m",
+                           secret=b"k" * 32)
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=make_tasks(cfg)[0][0], train=True, temperature=1.0, size=1)
+    monkeypatch.setattr(executions.sys, "executable", str(tmp_path / "no-such-python"))
+    mgr.launch(ex, time.monotonic())
+    (ended,) = wait_ended(mgr)
+    assert ended.outcome == "crashed" and ended.reward is None and "did not start" in ended.error
 
 
 def test_crashed_run_is_excluded_not_zero(tmp_path):
@@ -83,11 +97,12 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
     mgr.launch(ex, time.monotonic())
     try:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, ex.proc.pid) == min(19, ours + cfg.harness_nice)
-        argv = open(f"/proc/{ex.proc.pid}/cmdline", "rb").read().split(b"\0")
+        proc = ex.process()  # spawned on the manager's spawner threads
+        assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + cfg.harness_nice)
+        argv = open(f"/proc/{proc.pid}/cmdline", "rb").read().split(b"\0")
         token = argv[argv.index(b"--api-key") + 1].decode()
         assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3)
     finally:
-        ex.proc.kill()
-        ex.proc.wait()
+        ex.process().kill()
+        ex.process().wait()
         silent.close()

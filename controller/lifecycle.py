@@ -12,6 +12,12 @@ import threading
 import time
 
 
+PARENT_PID_ENV = "GYRE_PARENT_PID"
+"""Set by ``controller.processes.spawn`` to the spawning process's pid: a child that starts up
+slowly (imports take seconds on a loaded node) may already be an orphan when it first looks at
+its parent, and would otherwise take its adoptive parent for the real one."""
+
+
 def exit_with_parent(*, poll_s: float = 1.0, grace_s: float = 30.0) -> None:
     """In a child: stop when the process that started it is gone.
 
@@ -20,7 +26,8 @@ def exit_with_parent(*, poll_s: float = 1.0, grace_s: float = 30.0) -> None:
     the parent changes (the child was reparented), the child gets SIGTERM, its normal graceful
     stop; if it is still alive ``grace_s`` later, it exits hard.
     """
-    parent = os.getppid()
+    told = os.environ.pop(PARENT_PID_ENV, "")  # not for our own children
+    parent = int(told) if told.isdigit() else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

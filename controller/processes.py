@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from controller.lifecycle import PARENT_PID_ENV
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,7 +28,7 @@ class StartError(RuntimeError):
 def spawn(name: str, module: str, args: list[str], log_dir: Path) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / f"{name}.log", "wb")
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, env=env, start_new_session=True,

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from controller.lifecycle import PARENT_PID_ENV
 from controller.processes import PROJECT_ROOT, StartError
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,9 @@ class SlurmCells:
                          extra_args=list(self.srun_extra_args))
         log_dir.mkdir(parents=True, exist_ok=True)
         log.info("cell %d: srun step on %s", cell_id, ",".join(nodes))
-        env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1"}
+        # A cell under srun is slurmstepd's child, not ours: it must not be told our pid.
+        env = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}
+        env |= {"PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1"}
         with open(log_dir / f"cell{cell_id}.log", "wb") as out:
             return SrunStep(argv, job_id=self.job_id, step_name=f"{STEP_NAME_PREFIX}{cell_id}", stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -45,3 +45,35 @@ def test_a_child_stops_when_its_controller_is_killed(tmp_path):
     except psutil.TimeoutExpired:
         child.kill()
         raise AssertionError("the orphaned processor kept running") from None
+
+
+# A child whose spawner died before the child looked: it was told its parent's pid at spawn.
+ORPHAN = r"""
+import sys, time
+from controller.lifecycle import exit_with_parent
+exit_with_parent(poll_s=0.1, grace_s=5.0)
+time.sleep(60)
+"""
+
+
+def test_a_child_orphaned_during_its_start_up_stops_too(tmp_path):
+    """The race bench.elastic hit: the controller died while its cells were still importing torch,
+    so each cell's first look at its parent already saw its adoptive one and it ran on forever."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is surely not our child's parent any more
+    from controller.lifecycle import PARENT_PID_ENV
+
+    child = subprocess.Popen([sys.executable, "-c", ORPHAN], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), PARENT_PID_ENV: str(gone.pid)})
+    try:
+        assert child.wait(timeout=20) != 0  # SIGTERM: it stops instead of sleeping its 60 s
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise AssertionError("the orphan kept running") from None
+    # Told the truth, a child keeps running while its parent lives.
+    alive = subprocess.Popen([sys.executable, "-c", ORPHAN], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), PARENT_PID_ENV: str(os.getpid())})
+    time.sleep(1.5)
+    assert alive.poll() is None
+    alive.kill()
+    alive.wait()

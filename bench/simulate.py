@@ -165,14 +165,17 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
                   cells=cells, workload=shape, reference_h=None, phases=(Phase(name="all", first_step=0, runs=(0, 1)),),
                   executions=((0.0, 0.0),))
     think, turns, call_s = wl["think_time"], wl["max_turns"], cal["call_s_p25"]
+    # The first call of a run carries its prompt's prefill and starts with the rest of its step;
+    # older result files lack the figure and fall back to the typical call.
+    first_s = cal.get("first_call_s_median") or call_s
 
     def runs(execution_id: str, _step: int) -> tuple[float, ...]:
         out: list[float] = []
         if think["kind"] == "none":
-            return (call_s, 0.0) * turns
+            return (first_s, 0.0) + (call_s, 0.0) * (turns - 1)
         for t in think_times(seed=think["seed"], execution_id=execution_id, median_s=think["median_s"],
                              sigma=think["sigma"], max_s=think["max_s"], turns=turns):
-            out += [call_s, t]
+            out += [first_s if not out else call_s, t]
         return tuple(out)
 
     assumed = [f"grade_s={GRADE_S_ASSUMED}", f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"]

@@ -59,10 +59,10 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
         e = res["elastic"].makespan_s
         # The trace's async split is the reference's; every other split is run too, so the
         # comparison against the best fixed pools is in the table beside it.
-        splits = {}
+        splits: dict[str, float] = {}  # training cells (a JSON key) -> async h / elastic h
         for k in range(1, trace.cells.num_cells):
             shape = dataclasses.replace(trace.workload, async_train_cells=k)
-            splits[k] = (res["async"] if k == trace.workload.async_train_cells
+            splits[str(k)] = (res["async"] if k == trace.workload.async_train_cells
                          else simulate(dataclasses.replace(trace, workload=shape), "async", seed=seed)).makespan_s / e
         rows.append({
             "trace": trace.name, "description": trace.description, "steps": trace.workload.steps,

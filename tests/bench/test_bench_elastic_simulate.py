@@ -35,6 +35,10 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
     for row in out["table"]:
         assert set(row["hours"]) == {"elastic", "async", "colocate"} and all(finite(h) for h in row["hours"].values())
         assert all(v <= 1 for v in row["max_staleness"].values())  # every trace has staleness 1
+        # every fixed split was run, the trace's own among them, and the best one is reported
+        assert set(row["vs_async_splits"]) == {str(k) for k in range(1, row["cells"])}
+        assert row["vs_async_splits"][str(row["async_train_cells"])] == row["vs_async"]
+        assert row["vs_best_async"] == min(row["vs_async_splits"].values())
 
 
 def test_simulate_refuses_a_file_that_is_not_a_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -50,6 +54,9 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {"elastic_vs_async", "elastic_vs_colocate", "elastic_s", "async_s", "colocate_s", "staleness_ok",
             "calibration", "config", "host"} <= set(out)
     assert finite(out["elastic_vs_async"]) and finite(out["elastic_vs_colocate"])
+    # --quick runs no extra async splits: the best one is the only one
+    assert out["best_async"] == "async" and out["elastic_vs_best_async"] == out["elastic_vs_async"]
+    assert finite(out["calibration"]["first_call_s_median"])
     assert out["staleness_ok"] is True  # checked on every real CallRecord of the three runs
     for policy in ("elastic", "async", "colocate"):
         assert out["policies"][policy]["num_calls"] > 0

@@ -214,6 +214,9 @@ class EmbeddedEngine:
     def num_running(self) -> int:
         return self._batch_loop.num_active()
 
+    def num_output_tokens(self) -> int:
+        return self._batch_loop.num_output_tokens()
+
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:

@@ -257,6 +257,11 @@ class BatchLoop:
         with self._cond:
             return len(self._active)
 
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far by the requests still active (a load figure, like SGLang's)."""
+        with self._cond:
+            return sum(len(r.output_ids) for r in self._active)
+
     def set_accepting(self, accepting: bool) -> None:
         with self._cond:
             self._accepting = accepting and self._model is not None and not self._stopping

@@ -418,6 +418,9 @@ def test_update_weights_changes_outputs_and_version(engine, weights, reference) 
 
 def test_update_weights_mid_request_keeps_it_running(engine, weights) -> None:
     pending = start_long_request(engine, "spans", max_new_tokens=1000)
+    deadline = time.monotonic() + 30
+    while engine.num_output_tokens() == 0 and time.monotonic() < deadline:  # admitted is not yet decoding
+        time.sleep(0.005)
     engine.update_weights(weights[1])
     pending["thread"].join()
     meta = pending["reply"]["meta_info"]

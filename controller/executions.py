@@ -88,11 +88,11 @@ class ExecutionManager:
         self.executions: dict[str, Execution] = {}
         self.num_crashed = 0
         self.num_timed_out = 0
+        self.num_grade_failed = 0
         # Popen returns only once the child has exec'd; on a loaded node that is tens of ms per
         # harness, and a step's burst of launches held the control loop for 2-3 s. Spawning on
         # these threads keeps the loop answering cells and the proxy meanwhile.
         self._spawner = ThreadPoolExecutor(max_workers=SPAWN_THREADS, thread_name_prefix="harness-spawn")
-        self.num_grade_failed = 0
 
     def plan_group(self, *, step: int, group_id: str, task: Task, train: bool, temperature: float, size: int,
                    min_version: int = 0) -> list[Execution]:

@@ -48,7 +48,7 @@ class EmbeddedTrainerConfig:
     With a tiny model and this set, each cell behaves like an independent device (bench.elastic).
     0 (the default): off, the real compute time only."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if not 0.0 <= self.device_s_per_token < 1.0:
             raise ValueError(f"trainer.device_s_per_token: want a number in [0, 1), got {self.device_s_per_token!r}")
 

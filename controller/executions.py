@@ -70,13 +70,6 @@ class Execution:
     def live(self) -> bool:
         return self.state in ("queued", "running")
 
-    def process(self, timeout_s: float = 30.0) -> subprocess.Popen:
-        """The harness process, waiting for its spawn if it is still in flight (tests, shutdown)."""
-        if self.proc is None and self.spawning is not None:
-            self.proc = self.spawning.result(timeout=timeout_s)
-        assert self.proc is not None, f"execution {self.execution_id} was never launched"
-        return self.proc
-
 
 class ExecutionManager:
     def __init__(self, *, workload: WorkloadConfig, work_dir: Path, proxy_url: str, model_name: str, secret: bytes):
@@ -150,9 +143,9 @@ class ExecutionManager:
                 os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.cfg.harness_nice))
         return proc
 
-    def _spawned(self, ex: Execution) -> bool:
-        """Whether ``ex.proc`` is there; a spawn that failed (OSError) crashes the execution."""
-        if ex.proc is not None:
+    def _spawn_over(self, ex: Execution) -> bool:
+        """Whether ``ex``'s spawn has finished: ``ex.proc`` is set, or, when it failed, ``ex.error``."""
+        if ex.proc is not None or ex.error:
             return True
         if ex.spawning is None or not ex.spawning.done():
             return False
@@ -160,7 +153,7 @@ class ExecutionManager:
             ex.proc = ex.spawning.result()
         except OSError as exc:
             ex.error = f"harness did not start: {exc}"
-        return ex.proc is not None
+        return True
 
     def poll(self, now: float) -> list[Execution]:
         """Reap ended harness runs, kill overdue ones, grade them; return the newly graded."""
@@ -168,12 +161,10 @@ class ExecutionManager:
         for ex in self.executions.values():
             if ex.state != "running":
                 continue
-            if not self._spawned(ex):
-                if ex.spawning is None or not ex.spawning.done():
-                    continue  # still spawning; its timeout clock runs
-                code: int | None = -1  # the spawn failed: a crash, excluded (ex.error says why)
-            else:
-                code = ex.proc.poll()
+            if not self._spawn_over(ex):
+                continue  # still spawning; its timeout clock runs
+            # -1: the spawn failed, a crash, excluded (ex.error says why)
+            code = ex.proc.poll() if ex.proc is not None else -1
             if code is None and now - ex.started_at > self.cfg.timeout_s:
                 _kill(ex.proc)
                 ex.move("timed_out")
@@ -213,7 +204,7 @@ class ExecutionManager:
     def kill_all(self) -> None:
         self._spawner.shutdown(wait=True)  # every spawn in flight lands first, so none escapes
         for ex in self.executions.values():
-            if ex.state == "running" and self._spawned(ex):
+            if ex.state == "running" and self._spawn_over(ex) and ex.proc is not None:
                 _kill(ex.proc)
 
 

@@ -50,7 +50,7 @@ def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
     silent.close()
     assert ended.outcome == "timed_out" and ended.state == "graded"
     assert ended.reward == pytest.approx(1.0) and mgr.num_timed_out == 1
-    assert ended.process().poll() is not None  # killed, not left behind
+    assert ended.proc.poll() is not None  # killed, not left behind
 
 
 def test_a_harness_that_cannot_start_is_a_crash_not_a_hang(tmp_path, monkeypatch):
@@ -97,12 +97,12 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
     mgr.launch(ex, time.monotonic())
     try:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        proc = ex.process()  # spawned on the manager's spawner threads
+        proc = ex.spawning.result(timeout=30)  # spawned on the manager's spawner threads
         assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + cfg.harness_nice)
         argv = open(f"/proc/{proc.pid}/cmdline", "rb").read().split(b"\0")
         token = argv[argv.index(b"--api-key") + 1].decode()
         assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3)
     finally:
-        ex.process().kill()
-        ex.process().wait()
+        ex.spawning.result().kill()
+        ex.spawning.result().wait()
         silent.close()

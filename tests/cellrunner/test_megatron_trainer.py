@@ -90,6 +90,15 @@ def make_shard(seed: int, *, step: int = 0, num_seqs: int = 4, on_policy_from: E
     return wire.Shard(step=step, shard_id=f"s{seed}", num_executions=num_seqs, sequences=seqs)
 
 
+def both_logprobs(meg: MegatronTrainer, emb: EmbeddedTrainer, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's and the embedded trainer's token log-probs of ``batch``, and the mask of real positions."""
+    with torch.no_grad():
+        want = token_logprobs(emb.model, batch)
+        logits = meg.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids), None)
+        got = meg.token_logprobs(logits, batch.targets)
+    return got, want, batch.attention_mask[:, 1:].bool()
+
+
 def megatron_grads_as_hf(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
     """The accumulated gradient in HF names (the same mapping as the weights)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -206,11 +215,7 @@ def test_logprobs_loss_and_gradient_equal_the_embedded_trainers():
     assert w_meg.specs == w_emb.specs and np.array_equal(w_meg.data, w_emb.data)  # version 0 everywhere
 
     batch = pack(list(shard.sequences))
-    with torch.no_grad():
-        want = token_logprobs(emb.model, batch)
-        logits = meg.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids), None)
-        got = meg.token_logprobs(logits, batch.targets)
-    real = batch.attention_mask[:, 1:].bool()
+    got, want, real = both_logprobs(meg, emb, batch)
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=2e-5)
     loss_e, _ = gspo_loss(want, batch, eps_low=algo.eps_low, eps_high=algo.eps_high)
     loss_m, _ = gspo_loss(got, batch, eps_low=algo.eps_low, eps_high=algo.eps_high)
@@ -372,11 +377,7 @@ def worker(tp: int) -> None:
     out: dict = {"weights_equal_hf_init": bool(np.array_equal(init.data, emb.weights().data))}
     shard = make_shard(11, num_seqs=6, on_policy_from=emb)
     batch = pack(list(shard.sequences))
-    with torch.no_grad():
-        want = token_logprobs(emb.model, batch)
-        logits = meg.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids), None)
-        got = meg.token_logprobs(logits, batch.targets)
-    real = batch.attention_mask[:, 1:].bool()
+    got, want, real = both_logprobs(meg, emb, batch)
     out["logprob_maxdiff"] = float((got[real] - want[real]).abs().max())
     res = meg.microstep(shard)
     emb_res = emb.microstep(shard)

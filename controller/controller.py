@@ -391,23 +391,16 @@ class Controller:
         return self.cells.core.weights_addr
 
     def push_routing(self) -> None:
-        floor = self.version_floor()
-        routes = tuple((c.cell_id, c.engine_url, c.weight_version)
-                       for c in self.cells.in_phase("serving") if c.weight_version >= floor)
-        if self.stage == "eval_end":
-            routes = tuple(r for r in routes if r[2] == self.steps.version)
+        """Every serving engine, with the weight version it serves. Which engine may take a call is
+        the proxy's per-call check against the floor in the execution's token (step - staleness
+        for training, the evaluated version for eval), so no floor is applied here."""
+        routes = tuple((c.cell_id, c.engine_url, c.weight_version) for c in self.cells.in_phase("serving"))
         if routes == self.routed or "proxy" not in self.identities:
             return
         self.routed = routes
         self.routing_version += 1
         self.send_to("proxy", wire.RoutingTable(
             version=self.routing_version, engines=[wire.EngineRoute(cell_id=i, url=u, weight_version=v) for i, u, v in routes]))
-
-    def version_floor(self) -> int:
-        """Cells below this weight version may not serve: the newest running training step accepts
-        only versions >= its step - staleness, and an engine serves its old weights until a pull lands."""
-        steps = [ex.step for ex in self.executions.executions.values() if ex.state == "running" and ex.train]
-        return max(steps, default=0) - self.cfg.scheduler.staleness
 
     # ================================================================ executions
 

@@ -5,7 +5,7 @@ staleness bound) and ``steps.StepCoordinator`` (microstep assignment, gradient g
 on the core, busy cells, training demand). Simulated: cells (switch costs, weight pulls; cells
 that compute, a microstep or calls in flight, share ``compute_slots``), harness runs (call and think segments from
 a trace, killed at the timeout), the proxy (sticky least-loaded routing among the cells whose weight version
-the newest live step may use; a call whose cell leaves serving moves to another one and pays
+the execution's step may use (the floor in its token); a call whose cell leaves serving moves to another one and pays
 ``reroute_s``; with no such cell a call waits) and the processor (a group's shards come ``grade_s`` after its last run ends).
 
 The loop around them mirrors ``controller/controller.py``: plan steps within the staleness bound,
@@ -167,7 +167,6 @@ class Simulation:
         self.planned = 0
         self.queue: deque[SimExecution] = deque()
         self.num_running = 0
-        self.running_by_step: dict[int, int] = {}
         self.waiting: list[SimExecution] = []
         self.groups: dict[str, list[SimExecution]] = {}
         self.executions: list[SimExecution] = []
@@ -312,7 +311,6 @@ class Simulation:
             ex = self.queue.popleft()
             ex.state, ex.launched_at = "running", self.t
             self.num_running += 1
-            self.running_by_step[ex.step] = self.running_by_step.get(ex.step, 0) + 1
             room -= 1
             self.at(self.wl.timeout_s, self.timeout, ex)
             self.at(self.wl.launch_s, self.start_segment, ex)
@@ -398,15 +396,10 @@ class Simulation:
             ex.seg += 1
             self.start_segment(ex)
 
-    def version_floor(self) -> int:
-        """Cells below this version leave the routing table: the newest live step may not use them."""
-        live = [s for s, n in self.running_by_step.items() if n > 0]
-        return max(live, default=0) - self.cfg.staleness
-
     def route(self, ex: SimExecution) -> None:
         """Sticky to its cell while that serves, else the least-loaded serving cell (the proxy's
-        rule), among cells whose weights the newest live step may use."""
-        floor = self.version_floor()
+        rule), among cells whose weights the execution's step may use (the floor in its token)."""
+        floor = ex.step - self.cfg.staleness
         serving = [c for c in self.cells if c.phase == "serving" and c.version >= floor]
         if not serving:
             self.bind(ex, None)
@@ -464,7 +457,6 @@ class Simulation:
         if ex in self.waiting:
             self.waiting.remove(ex)
         self.num_running -= 1
-        self.running_by_step[ex.step] -= 1
         self.dirty = True
         group = self.groups[ex.group_id]
         if all(e.state == "ended" for e in group):

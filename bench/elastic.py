@@ -56,22 +56,20 @@ RUN_TIMEOUT_S = 900
 # Without pacing the four cells' trainers share this machine's two cores and training on three
 # cells is no faster than on one (``--cpu-bound`` runs that setup: a 448-wide model computing
 # for real).
-BENCH_OVERRIDES = (
+LONG_TAILED = (  # both setups' runs
     "run.eval_at_start=false", "run.eval_at_end=false", "run.progress_every_s=5",
-    "workload.max_turns=3", "workload.timeout_s=10", "workload.groups_per_step=16", "workload.group_size=4",
-    "workload.min_usable_per_group=2",
+    "workload.max_turns=3", "workload.timeout_s=10",
     "workload.think_time.kind=lognormal", "workload.think_time.median_s=1.5",
     "workload.think_time.sigma=1.0", "workload.think_time.max_s=12", "workload.think_time.seed=0",
+)
+BENCH_OVERRIDES = (
+    *LONG_TAILED, "workload.groups_per_step=16", "workload.group_size=4", "workload.min_usable_per_group=2",
     "scheduler.capacity_per_cell=128", "trainer.device_s_per_token=0.0015", "algo.max_tokens_per_microstep=300",
 )
 # The model is 4 layers x 448 wide and shards hold ~400 tokens, so a step is 16 microsteps of
 # ~0.7 s on one core, sharing the machine's cores with the other cells.
 CPU_BOUND_OVERRIDES = (
-    "run.eval_at_start=false", "run.eval_at_end=false", "run.progress_every_s=5",
-    "workload.max_turns=3", "workload.timeout_s=10",
-    "workload.think_time.kind=lognormal", "workload.think_time.median_s=1.5",
-    "workload.think_time.sigma=1.0", "workload.think_time.max_s=12", "workload.think_time.seed=0",
-    "model.hidden_size=448", "model.intermediate_size=1792", "model.num_hidden_layers=4",
+    *LONG_TAILED, "model.hidden_size=448", "model.intermediate_size=1792", "model.num_hidden_layers=4",
     "algo.max_tokens_per_microstep=400",
 )
 FULL_STEPS = 20

@@ -7,6 +7,11 @@ optimizer state (its trainer's replica lives across switches), serves them to ot
 takes the satellites' gradient sums on a PULL socket. Weights move over ZeroMQ or the Mooncake
 Transfer Engine (``transfer``); gradients always over ZeroMQ.
 
+A cell may span several processes (``cluster.ranks_per_node``, Megatron: one per GPU). Rank 0 is
+this CellRunner, the cell's leader; the other ranks run ``cellrunner.follower`` and mirror its
+trainer calls (``cellrunner.spmd_trainer``). Which rank a process is comes from the launcher's
+environment (``cellrunner.ranks``).
+
     python -m cellrunner.main --config-json F --cell-id N --controller tcp://H:P
 """
 
@@ -18,105 +23,34 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 import psutil
 import torch
 import zmq
 
-from cellrunner.config import (
-    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
+from cellrunner.backends import (
+    CellRunnerConfig, check_ranks, make_engine, make_trainer, make_weight_publisher, make_weight_puller,
 )
-from cellrunner.engine import EmbeddedEngine
 from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights, build_model, flatten_params
-from cellrunner.trainer import EmbeddedTrainer
-from cellrunner.transfer import (
-    WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller, recv_grads, send_grads,
-)
-from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
+from cellrunner.ranks import CellRanks, ranks_from_env
+from cellrunner.spmd import CommandChannel
+from cellrunner.spmd_trainer import LeaderTrainer
+from cellrunner.transfer import WeightPublisher, WeightPuller, recv_grads, send_grads
 from controller import wire
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
-from trajectory.config import AlgoConfig
 
 log = logging.getLogger("cellrunner")
 
 
-@dataclass(frozen=True, kw_only=True)
-class CellRunnerConfig:
-    """What a cellrunner process gets from the controller (sub-configs of the root)."""
-
-    model: ModelConfig
-    algo: AlgoConfig
-    host: str
-    core_cell: int
-    torch_threads: int
-    heartbeat_interval_s: float
-    drain_timeout_s: float
-    capacity_per_cell: int
-    transfer_timeout_s: float
-    transfer: Literal["zmq", "mooncake"]
-    """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
-    mooncake: MooncakeConfig
-    seed: int
-    checkpoint_dir: str
-    """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) when an
-    ApplyStep asks for it and at shutdown."""
-    trainer: EmbeddedTrainerConfig | MegatronConfig
-    engine: EmbeddedEngineConfig | SGLangConfig
-    log_dir: str
-    """Where the cell's own children (SGLang servers) log."""
-    resume_from: str
-    """The checkpoint folder the controller chose for the core to start from ('' = the seeded init)."""
-    resume_version: int
-
-
-def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
-    """The trainer ``cfg.trainer.kind`` names; megatron-core is imported only when chosen."""
-    if isinstance(cfg.trainer, MegatronConfig):
-        from cellrunner.megatron_trainer import MegatronTrainer
-
-        return MegatronTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
-                               megatron=cfg.trainer, seed=cfg.seed)
-    return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
-                           device_s_per_token=cfg.trainer.device_s_per_token)
-
-
-def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int) -> Any:
-    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy."""
-    seed = cfg.seed * 1000 + cell_id
-    if isinstance(cfg.engine, SGLangConfig):
-        from cellrunner.engine_sglang import SGLangEngine
-
-        return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
-                            cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir)
-    return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
-                          cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed)
-
-
-def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
-    if cfg.transfer == "mooncake":
-        m = cfg.mooncake
-        return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol=m.protocol,
-                                       device_name=m.device_name, memory=m.memory)
-    return WeightServer(ctx, f"tcp://{cfg.host}:0")
-
-
-def make_weight_puller(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPuller:
-    if cfg.transfer == "mooncake":
-        m = cfg.mooncake
-        return MooncakeWeightPuller(ctx, host=cfg.host, protocol=m.protocol, device_name=m.device_name, memory=m.memory)
-    return ZmqWeightPuller(ctx)
-
-
 class CellRunner:
-    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str):
+    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str, ranks: CellRanks | None = None):
         self.cfg = cfg
+        self.ranks = ranks or ranks_from_env({})
         self.cell_id = cell_id
         self.is_core = cell_id == cfg.core_cell
         self.ctx = zmq.Context.instance()
@@ -127,7 +61,9 @@ class CellRunner:
         tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
         self.vocab_size = tok.vocab_size
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
-        self.engine = make_engine(cfg, self.vocab_size, cell_id)
+        if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
+            self.trainer = LeaderTrainer(self.trainer, CommandChannel())
+        self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks)
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
         self.core_grads_addr = ""
@@ -349,6 +285,8 @@ class CellRunner:
         if self.is_core and self.trainer.model is not None:
             path = self.trainer.save_checkpoint(self.cfg.checkpoint_dir)
             log.info("core: saved weights and optimizer state of version %d to %s", self.trainer.version, path)
+        if isinstance(self.trainer, LeaderTrainer):
+            self.trainer.close()
         self.engine.stop()
         if self.weight_server is not None:
             self.weight_server.close()
@@ -367,9 +305,21 @@ def main() -> None:
         cfg = build(CellRunnerConfig, json.load(f))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell{args.cell_id} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.torch_threads)
+    try:
+        ranks = ranks_from_env(os.environ)
+        check_ranks(cfg, ranks)
+    except ValueError as exc:
+        log.error("cell %d: %s", args.cell_id, exc)
+        raise SystemExit(2) from None
     exit_with_parent()  # a controller that died without stopping us
     try:
-        runner = CellRunner(cfg, args.cell_id, args.controller)
+        if not ranks.is_leader:
+            from cellrunner.follower import run_follower
+
+            vocab_size = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks).vocab_size
+            run_follower(cfg, args.cell_id, ranks, vocab_size)
+            return
+        runner = CellRunner(cfg, args.cell_id, args.controller, ranks)
         signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
         runner.run()
     except BackendUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback

@@ -35,8 +35,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,7 @@ from cellrunner.megatron_convert import (
 )
 from cellrunner.model import FlatWeights, build_model, hf_config
 from cellrunner.trainer import MicrostepResult, split_by_tokens
+from controller.checkpoints import META_FILE, Checkpoint
 from controller.wire import Shard, TensorSpec
 from trajectory.config import AlgoConfig
 
@@ -392,32 +395,59 @@ class MegatronTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Each rank of DP replica 0 writes its parameters and Adam state; rank 0 the manifest."""
+    def save_checkpoint(self, checkpoint_dir: str) -> str:
+        """This version under ``<checkpoint_dir>/v<N>/``, the layout of ``controller.checkpoints``:
+        each rank of DP replica 0 writes its shard (parameters and Adam state) into a temporary
+        folder; rank 0 adds the manifest and ``checkpoint.json`` last and renames the folder into
+        place, so a job killed mid-write leaves the previous checkpoint the newest."""
         from safetensors.torch import save_file
 
         assert self.model is not None
-        os.makedirs(directory, exist_ok=True)
+        final = Path(checkpoint_dir) / f"v{self.version}"
+        tmp = Path(checkpoint_dir) / f".v{self.version}.tmp"
+        leader, multi = dist.get_rank() == 0, dist.get_world_size() > 1
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if multi:
+            dist.barrier()
         if self.dp_rank == 0:
             tensors = {f"param/{n}": t.float().contiguous().cpu() for n, t in self._named_params().items()}
             for n, state in self._adam_state().items():
                 for k, v in state.items():
                     tensors[f"{k}/{n}"] = v.float().contiguous().cpu() if v.dim() else v.reshape(1).float().cpu()
-            save_file(tensors, os.path.join(directory, self._shard_file()), metadata={"format": "pt"})
-        if dist.get_rank() == 0:
-            with open(os.path.join(directory, CHECKPOINT_MANIFEST), "w") as f:
-                json.dump({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout_key(),
-                           "has_optimizer": self.optimizer is not None}, f, indent=1)
-        if dist.get_world_size() > 1:
+            save_file(tensors, str(tmp / self._shard_file()), metadata={"format": "pt"})
+        if multi:
             dist.barrier()
+        if leader:
+            (tmp / CHECKPOINT_MANIFEST).write_text(json.dumps({
+                "format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout_key(),
+                "has_optimizer": self.optimizer is not None}, indent=1))
+            (tmp / META_FILE).write_text(json.dumps({"version": self.version, "trainer": "megatron"}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        if multi:
+            dist.barrier()
+        return str(final)
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Core only, instead of the first ``start(None)``: resume from ``save_checkpoint``'s folder."""
+        assert self.is_core and self.model is None, "restore() replaces the first start()"
+        self.start(None)
+        self.load_checkpoint(str(ckpt.path))
+        if self.version != ckpt.version:
+            raise ValueError(f"{ckpt.path}: holds version {self.version}, the folder says {ckpt.version}")
 
     def load_checkpoint(self, directory: str) -> None:
-        """Load what ``save_checkpoint`` wrote, into a started replica of the same layout."""
+        """Load one ``v<N>`` folder ``save_checkpoint`` wrote into a started replica of the same layout."""
         from safetensors.torch import load_file
 
         assert self.model is not None, "load_checkpoint before start()"
-        with open(os.path.join(directory, CHECKPOINT_MANIFEST)) as f:
-            manifest = json.load(f)
+        try:
+            with open(os.path.join(directory, CHECKPOINT_MANIFEST)) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{directory}: not a Megatron checkpoint ({exc})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{CHECKPOINT_MANIFEST}: want format {CHECKPOINT_FORMAT}")
         if manifest.get("layout") != self._layout_key():
@@ -438,6 +468,11 @@ class MegatronTrainer:
                 self.optimizer.reload_model_params()  # fp32 main copies of bf16 weights
             self._set_adam_state(tensors)
         self.version = version
+
+    def grad_numel(self) -> int:
+        """Elements of this rank's flat gradient (``take_grads``' length)."""
+        assert self.model is not None
+        return sum(b.numel() for b in self._grad_buffers())
 
     # -- internals -----------------------------------------------------------------------------
 

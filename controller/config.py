@@ -63,10 +63,19 @@ class ClusterConfig:
     (TCP here, RDMA on clusters; needs the mooncake package, see cellrunner/transfer_mooncake.py)."""
     mooncake: MooncakeConfig
     """With ``transfer=mooncake``: protocol, RDMA NICs, host or CUDA memory."""
+    ranks_per_node: int
+    """Processes per node of a cell, one per GPU, with ``trainer=megatron`` (its ranks); the
+    embedded trainer is one process per cell, so 1. Rank 0 leads (cellrunner/follower.py)."""
+    dist_port: int
+    """A multi-rank cell's process group meets at its leader's ``dist_port + cell_id``."""
 
     def check(self) -> None:
         if self.num_cells < 1:
             raise ValueError("num_cells: want >= 1")
+        if self.ranks_per_node < 1:
+            raise ValueError("ranks_per_node: want >= 1")
+        if not 1024 <= self.dist_port <= 65535 - self.num_cells:
+            raise ValueError(f"dist_port: want 1024..{65535 - self.num_cells}")
         if not 0 <= self.core_cell < self.num_cells:
             raise ValueError("core_cell: want 0..num_cells-1")
 
@@ -103,6 +112,9 @@ class GyreConfig:
     """``engine=embedded`` (torch, SGLang's native API) or ``engine=sglang`` (the real servers)."""
 
     def check(self) -> None:
+        if self.cluster.ranks_per_node > 1 and not isinstance(self.trainer, MegatronConfig):
+            raise ValueError(f"cluster.ranks_per_node={self.cluster.ranks_per_node}: trainer={self.trainer.kind} "
+                             "is one process per cell; several ranks per node need trainer=megatron")
         if self.scheduler.kind == "async" and not 1 <= self.scheduler.train_cells < self.cluster.num_cells:
             raise ValueError("scheduler.train_cells: async needs 1..num_cells-1 training cells")
         if self.workload.max_new_tokens > self.proxy.max_new_tokens_cap:

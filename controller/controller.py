@@ -68,7 +68,9 @@ class Controller:
         # Where cells run: one explicit choice per cluster.kind (the node list is read here, so a
         # bad allocation fails before any process starts).
         self.cell_launcher: CellLauncher = (
-            SlurmCells.from_env(cfg.cluster.num_cells) if cfg.cluster.kind == "slurm" else LocalCells())
+            SlurmCells.from_env(cfg.cluster.num_cells, ranks_per_node=cfg.cluster.ranks_per_node,
+                                multi_rank=cfg.trainer.kind == "megatron", dist_port=cfg.cluster.dist_port)
+            if cfg.cluster.kind == "slurm" else LocalCells(cfg.cluster.ranks_per_node, cfg.cluster.dist_port, cfg.cluster.host))
         self.host = resolve_host(cfg.cluster.host)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -543,7 +545,7 @@ class Controller:
 def cellrunner_config(
     c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path, resume_from: Checkpoint | None = None
 ) -> dict:
-    """The cellrunner's config (cellrunner.main.CellRunnerConfig) as the JSON every cell is given."""
+    """The cellrunner's config (cellrunner.backends.CellRunnerConfig) as the JSON every cell is given."""
     return {
         "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
         "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,

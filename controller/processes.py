@@ -45,10 +45,18 @@ class CellLauncher(Protocol):
 
 
 class LocalCells:
-    """Every cell is a child process on this machine (``cluster.kind: local``)."""
+    """Every cell is a child process on this machine (``cluster.kind: local``); a cell of several
+    ranks (``cluster.ranks_per_node``) is a ``controller.local_step`` that runs and supervises them."""
+
+    def __init__(self, ranks_per_node: int = 1, dist_port: int = 29500, host: str = "127.0.0.1"):
+        self.ranks_per_node, self.dist_port, self.host = ranks_per_node, dist_port, host
 
     def launch(self, cell_id: int, cell_args: list[str], log_dir: Path) -> subprocess.Popen:
-        return spawn(f"cell{cell_id}", "cellrunner.main", cell_args, log_dir)
+        if self.ranks_per_node == 1:
+            return spawn(f"cell{cell_id}", "cellrunner.main", cell_args, log_dir)
+        step = ["--cell-id", str(cell_id), "--ranks", str(self.ranks_per_node), "--ranks-per-node",
+                str(self.ranks_per_node), "--host", self.host, "--dist-port", str(self.dist_port + cell_id)]
+        return spawn(f"cell{cell_id}", "controller.local_step", [*step, "--", *cell_args], log_dir)
 
 
 def log_tail(log_dir: Path, name: str, num_lines: int = 20) -> str:

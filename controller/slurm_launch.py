@@ -2,15 +2,17 @@
 
 Controller end (inside an allocation: `sbatch slurm/gyre_*.sbatch`, or `launcher=submitit`):
 ``SlurmCells.from_env`` reads the job's node list, splits it into ``num_cells`` equal groups, and
-``launch`` starts one ``srun`` step per cell on that cell's nodes, one task per node. The returned
+``launch`` starts one ``srun`` step per cell on that cell's nodes, ``cluster.ranks_per_node`` tasks
+per node (one per GPU for a Megatron cell, else one). The returned
 object is a ``subprocess.Popen`` of the ``srun`` client, so the controller supervises it like a
 local cellrunner: a step that dies (``scancel`` of the step, a node set DOWN) ends ``srun`` with a
 non-zero code and the controller drops the cell.
 
-Step end (``python -m controller.slurm_launch --cell-nodes n3,n4 -- <cellrunner args>``): every
-task checks that ``SLURM_STEP_NODELIST`` is the cell's node set; task 0 becomes the cellrunner,
-the other tasks end at once (the step keeps holding their nodes until it ends; the embedded
-cellrunner is one process, a Megatron/SGLang cell will run its other ranks there).
+Step end (``python -m controller.slurm_launch --cell-nodes n3,n4 --ranks R -- <cellrunner args>``):
+every task checks that ``SLURM_STEP_NODELIST`` is the cell's node set. Tasks ``0..R-1`` become the
+cell's ranks: the cellrunner with the torchrun variables of ``cellrunner.ranks`` (rank 0 leads,
+the others follow; the process group meets at node 1's ``dist_port + cell_id``). An embedded cell
+has R = 1, so the other tasks end at once and the step just holds their nodes.
 
 Ports: every Gyre process binds port 0 and reports the port it got, so cells on virtual nodes
 that share one host never collide. ``cluster.host: auto`` makes each process bind to its own
@@ -32,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cellrunner.ranks import NNODES_ENV, NODE_RANK_ENV
 from controller.lifecycle import PARENT_PID_ENV
 from controller.processes import PROJECT_ROOT, StartError
 
@@ -58,11 +61,14 @@ def split_cells(nodes: list[str], num_cells: int) -> list[list[str]]:
 
 
 def srun_argv(*, job_id: str, cell_id: int, nodes: list[str], python: str, cell_args: list[str],
-              extra_args: list[str]) -> list[str]:
+              extra_args: list[str], ranks_per_node: int = 1, cell_ranks: int = 1, dist_port: int = 0) -> list[str]:
     """The ``srun`` command of one cell's step (Slurm 22.05 flags, see shared/notes/slurm-local.md).
 
-    - ``--nodes/--ntasks/--ntasks-per-node``: one task per node of the cell (srun refuses fewer
-      tasks than nodes, so the cell's nodes are held by tasks, not just named).
+    - ``--nodes/--ntasks/--ntasks-per-node``: ``ranks_per_node`` tasks on every node of the cell
+      (srun refuses fewer tasks than nodes, so the cell's nodes are held by tasks, not just
+      named); ``--distribution=block`` numbers them node by node, as ``cellrunner.ranks`` checks.
+    - ``--ranks``/``--dist-port`` to the step end: how many tasks are the cell's ranks, and where
+      their process group meets.
     - ``--nodelist``: exactly this cell's nodes; never ``--exact``, so a step gets every CPU (and,
       on clusters, every GPU the job asked for per node) of its nodes.
     - ``--overlap``: the step may share node 1 with the step that runs the controller when the
@@ -74,9 +80,10 @@ def srun_argv(*, job_id: str, cell_id: int, nodes: list[str], python: str, cell_
     """
     return [
         "srun", f"--jobid={job_id}", f"--job-name={STEP_NAME_PREFIX}{cell_id}",
-        f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}", "--overlap", "--kill-on-bad-exit=1", "--unbuffered", *extra_args,
-        python, "-m", "controller.slurm_launch", "--cell-nodes", ",".join(nodes), "--", *cell_args,
+        f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * ranks_per_node}", f"--ntasks-per-node={ranks_per_node}",
+        "--distribution=block", f"--nodelist={','.join(nodes)}", "--overlap", "--kill-on-bad-exit=1", "--unbuffered",
+        *extra_args, python, "-m", "controller.slurm_launch", "--cell-nodes", ",".join(nodes),
+        "--ranks", str(cell_ranks), "--dist-port", str(dist_port), "--", *cell_args,
     ]
 
 
@@ -175,9 +182,17 @@ class SlurmCells:
     srun_extra_args: tuple[str, ...]
     """From ``GYRE_SRUN_ARGS`` (shell words), set by the sbatch script: site flags every cell's step
     needs, such as ``--container-image=...`` (pyxis) that Slurm takes only on srun's command line."""
+    ranks_per_node: int = 1
+    multi_rank: bool = False
+    """Every task is a rank of the cell (``trainer=megatron``); else task 0 alone runs it."""
+    dist_port: int = 29500
+
+    def cell_ranks(self, cell_id: int) -> int:
+        return len(self.cells[cell_id]) * self.ranks_per_node if self.multi_rank else 1
 
     @classmethod
-    def from_env(cls, num_cells: int, env: Mapping[str, str] | None = None) -> SlurmCells:
+    def from_env(cls, num_cells: int, env: Mapping[str, str] | None = None, *, ranks_per_node: int = 1,
+                 multi_rank: bool = False, dist_port: int = 29500) -> SlurmCells:
         env = os.environ if env is None else env
         job_id, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
         if not job_id or not nodelist:
@@ -197,12 +212,14 @@ class SlurmCells:
         except ValueError as exc:
             raise StartError(f"GYRE_SRUN_ARGS: {exc}") from None
         return cls(job_id=job_id, nodes=tuple(nodes), cells=tuple(tuple(g) for g in groups),
-                   srun_extra_args=tuple(extra))
+                   srun_extra_args=tuple(extra), ranks_per_node=ranks_per_node, multi_rank=multi_rank,
+                   dist_port=dist_port)
 
     def launch(self, cell_id: int, cell_args: list[str], log_dir: Path) -> subprocess.Popen:
         nodes = list(self.cells[cell_id])
         argv = srun_argv(job_id=self.job_id, cell_id=cell_id, nodes=nodes, python=sys.executable, cell_args=cell_args,
-                         extra_args=list(self.srun_extra_args))
+                         extra_args=list(self.srun_extra_args), ranks_per_node=self.ranks_per_node,
+                         cell_ranks=self.cell_ranks(cell_id), dist_port=self.dist_port + cell_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         log.info("cell %d: srun step on %s", cell_id, ",".join(nodes))
         # A cell under srun is slurmstepd's child, not ours: it must not be told our pid.
@@ -227,9 +244,26 @@ def bind_config_to_node(config_path: str, cell_nodes: str) -> str:
     return str(path)
 
 
+def rank_env_of_task(env: Mapping[str, str], *, nodes: list[str], cell_ranks: int, master_addr: str,
+                     dist_port: int) -> dict[str, str]:
+    """The ``cellrunner.ranks`` variables of this srun task. Node and local rank come from Slurm
+    (the node's place in the cell, ``SLURM_LOCALID``), so a task layout that is not node by node
+    is caught by ``ranks_from_env``'s check rather than silently misnumbered."""
+    node = env.get("SLURMD_NODENAME", "")
+    if node not in nodes:
+        raise ValueError(f"SLURMD_NODENAME={node!r} is not one of the cell's nodes {nodes}")
+    return {
+        "RANK": env.get("SLURM_PROCID", "0"), "WORLD_SIZE": str(cell_ranks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), NODE_RANK_ENV: str(nodes.index(node)),
+        NNODES_ENV: str(len(nodes)), "MASTER_ADDR": master_addr, "MASTER_PORT": str(dist_port),
+    }
+
+
 def step_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one task of a cell's srun step")
     parser.add_argument("--cell-nodes", required=True, help="comma-separated nodes this cell was given")
+    parser.add_argument("--ranks", type=int, default=1, help="tasks 0..ranks-1 are the cell's ranks")
+    parser.add_argument("--dist-port", type=int, default=0, help="the cell's process-group port on its first node")
     parser.add_argument("cell_args", nargs=argparse.REMAINDER, help="-- then the cellrunner's arguments")
     args = parser.parse_args(argv)
     cell_args = args.cell_args[1:] if args.cell_args[:1] == ["--"] else args.cell_args
@@ -242,14 +276,23 @@ def step_main(argv: list[str] | None = None) -> None:
         sys.exit(f"slurm_launch: this step runs on {got}, the cell was given {expected}")
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME", "?")
-    if rank != 0:
-        print(f"slurm_launch: task {rank} on {node}: nothing to run here for an embedded cell", flush=True)
+    if rank >= args.ranks:
+        print(f"slurm_launch: task {rank} on {node}: nothing to run here for a {args.ranks}-rank cell", flush=True)
         return
+    host = AUTO_HOST
     if "--config-json" in cell_args:
         i = cell_args.index("--config-json") + 1
+        host = json.loads(Path(cell_args[i]).read_text()).get("host", AUTO_HOST)
         cell_args[i] = bind_config_to_node(cell_args[i], args.cell_nodes)
-    print(f"slurm_launch: task 0 on {node} of step {os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')} "
-          f"(nodes {step_nodelist}) runs the cellrunner", flush=True)
+    if args.ranks > 1:
+        master = host if host != AUTO_HOST else socket.gethostbyname(expected[0])
+        try:
+            os.environ.update(rank_env_of_task(os.environ, nodes=expected, cell_ranks=args.ranks, master_addr=master,
+                                               dist_port=args.dist_port))
+        except ValueError as exc:
+            sys.exit(f"slurm_launch: {exc}")
+    print(f"slurm_launch: task {rank} on {node} of step {os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')} "
+          f"(nodes {step_nodelist}) runs rank {rank} of {args.ranks} of the cell", flush=True)
     # exec, so signals from scancel/srun reach the cellrunner itself
     os.execv(sys.executable, [sys.executable, "-m", "cellrunner.main", *cell_args])
 

@@ -47,6 +47,7 @@ from cellrunner.megatron_trainer import MegatronTrainer  # noqa: E402
 from cellrunner.model import hf_config  # noqa: E402
 from cellrunner.trainer import EmbeddedTrainer  # noqa: E402
 from controller import wire  # noqa: E402
+from controller.checkpoints import Checkpoint, latest_checkpoint  # noqa: E402
 from controller.typed_config import build  # noqa: E402
 from trajectory.config import AlgoConfig  # noqa: E402
 
@@ -293,12 +294,13 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     first.start(None)
     first.microstep(make_shard(4))
     first.apply([], num_executions=4)
-    first.save_checkpoint(str(tmp_path))
-    files = sorted(os.listdir(tmp_path))
-    assert files == ["gyre_megatron.json", "tp00_pp00_ep00.safetensors"]  # no pickle anywhere
+    path = first.save_checkpoint(str(tmp_path))
+    assert path == str(tmp_path / "v1") and latest_checkpoint(tmp_path) == Checkpoint(1, tmp_path / "v1")
+    files = sorted(os.listdir(path))
+    assert files == ["checkpoint.json", "gyre_megatron.json", "tp00_pp00_ep00.safetensors"]  # no pickle anywhere
+    assert sorted(os.listdir(tmp_path)) == ["v1"]  # the temporary folder was renamed into place
     second = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())
-    second.start(None)
-    second.load_checkpoint(str(tmp_path))
+    second.restore(latest_checkpoint(tmp_path))  # what a resumed core does
     assert second.version == first.version == 1
     assert np.array_equal(second.weights().data, first.weights().data)
     # The Adam state came back too: the next step lands on the same weights, bit for bit.
@@ -308,10 +310,12 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     w_a, _ = first.apply([], num_executions=4)
     w_b, _ = second.apply([], num_executions=4)
     assert np.array_equal(w_a.data, w_b.data)
-    manifest = json.loads((tmp_path / "gyre_megatron.json").read_text())
+    manifest = json.loads((tmp_path / "v1" / "gyre_megatron.json").read_text())
     manifest["layout"]["tp"] = 2
-    (tmp_path / "gyre_megatron.json").write_text(json.dumps(manifest))
+    (tmp_path / "v1" / "gyre_megatron.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="layout"):
+        second.load_checkpoint(path)
+    with pytest.raises(ValueError, match="not a Megatron checkpoint"):
         second.load_checkpoint(str(tmp_path))
 
 

@@ -45,6 +45,11 @@ def test_cross_package_checks():
         load("cluster.core_cell=7")
     with pytest.raises(ConfigError, match="train_cells"):
         load("scheduler=async", "scheduler.train_cells=4")
+    with pytest.raises(ConfigError, match="ranks_per_node=2: trainer=embedded is one process per cell"):
+        load("cluster.ranks_per_node=2")
+    assert load("cluster.ranks_per_node=8", "trainer=megatron").cluster.ranks_per_node == 8
+    with pytest.raises(ConfigError, match="dist_port"):
+        load("cluster.dist_port=80")
 
 
 def test_backends_are_groups_and_kind_picks_the_typed_config():

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from controller.processes import StartError
-from controller.slurm_launch import SlurmCells, split_cells, srun_argv
+from cellrunner.ranks import ranks_from_env
+from controller.slurm_launch import SlurmCells, rank_env_of_task, split_cells, srun_argv
 from controller.submit import LocalLauncherConfig, SubmititLauncherConfig, build_launcher, job_overrides
 from controller.typed_config import ConfigError
 
@@ -49,7 +50,35 @@ def test_srun_command_holds_exactly_the_cells_nodes():
     assert "--exact" not in argv  # a cell gets every CPU/GPU of its nodes
     py = argv.index("/py")
     assert argv.index("--container-image=x.sqsh") < py  # site flags go to srun, not to Python
-    assert argv[py:] == ["/py", "-m", "controller.slurm_launch", "--cell-nodes", "n5,n6", "--", "--cell-id", "2"]
+    assert argv[py:] == ["/py", "-m", "controller.slurm_launch", "--cell-nodes", "n5,n6", "--ranks", "1",
+                         "--dist-port", "0", "--", "--cell-id", "2"]
+
+
+def test_a_multi_rank_cell_runs_its_ranks_node_by_node():
+    cells = SlurmCells(job_id="9", nodes=("n1", "n2", "n3", "n4"), cells=(("n1", "n2"), ("n3", "n4")),
+                       srun_extra_args=(), ranks_per_node=4, multi_rank=True, dist_port=29500)
+    assert cells.cell_ranks(1) == 8
+    argv = srun_argv(job_id="9", cell_id=1, nodes=["n3", "n4"], python="/py", cell_args=[], extra_args=[],
+                     ranks_per_node=4, cell_ranks=cells.cell_ranks(1), dist_port=29501)
+    for flag in ("--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--distribution=block"):
+        assert flag in argv, flag
+    assert argv[argv.index("--ranks"):argv.index("--ranks") + 4] == ["--ranks", "8", "--dist-port", "29501"]
+    # an embedded cell is one process whatever the node count
+    assert SlurmCells(job_id="9", nodes=cells.nodes, cells=cells.cells, srun_extra_args=()).cell_ranks(1) == 1
+
+
+def test_each_task_gets_its_rank_from_slurm():
+    env = {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURMD_NODENAME": "n4"}
+    got = rank_env_of_task(env, nodes=["n3", "n4"], cell_ranks=8, master_addr="10.1.0.3", dist_port=29501)
+    r = ranks_from_env(got)
+    assert (r.rank, r.world_size, r.node_rank, r.local_rank, r.nnodes) == (6, 8, 1, 2, 2)
+    assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("10.1.0.3", "29501")
+    with pytest.raises(ValueError, match="node by node"):  # a cyclic layout is caught, not misnumbered
+        ranks_from_env(rank_env_of_task({**env, "SLURM_LOCALID": "1"}, nodes=["n3", "n4"], cell_ranks=8,
+                                        master_addr="x", dist_port=1))
+    with pytest.raises(ValueError, match="not one of the cell's nodes"):
+        rank_env_of_task({**env, "SLURMD_NODENAME": "n9"}, nodes=["n3", "n4"], cell_ranks=8, master_addr="x",
+                         dist_port=1)
 
 
 def test_outside_an_allocation_is_a_clear_error():

@@ -1,0 +1,109 @@
+"""What a cellrunner process is built from: its config, and the engine, trainer and weight
+transfer that config names (heavy backends are imported only when chosen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import zmq
+
+from cellrunner.config import (
+    EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
+)
+from cellrunner.engine import EmbeddedEngine
+from cellrunner.ranks import CellRanks
+from cellrunner.trainer import EmbeddedTrainer
+from cellrunner.transfer import WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller
+from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
+from trajectory.config import AlgoConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellRunnerConfig:
+    """What a cellrunner process gets from the controller (sub-configs of the root)."""
+
+    model: ModelConfig
+    algo: AlgoConfig
+    host: str
+    core_cell: int
+    torch_threads: int
+    heartbeat_interval_s: float
+    drain_timeout_s: float
+    capacity_per_cell: int
+    transfer_timeout_s: float
+    transfer: Literal["zmq", "mooncake"]
+    """How satellites pull weights from the core: ZeroMQ frames, or Mooncake Transfer Engine reads."""
+    mooncake: MooncakeConfig
+    seed: int
+    checkpoint_dir: str
+    """The core writes weights + AdamW state here (``v<N>/``, cellrunner.checkpoint) when an
+    ApplyStep asks for it and at shutdown."""
+    trainer: EmbeddedTrainerConfig | MegatronConfig
+    engine: EmbeddedEngineConfig | SGLangConfig
+    log_dir: str
+    """Where the cell's own children (SGLang servers) log."""
+    resume_from: str
+    """The checkpoint folder the controller chose for the core to start from ('' = the seeded init)."""
+    resume_version: int
+
+
+def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
+    """The trainer ``cfg.trainer.kind`` names; megatron-core is imported only when chosen."""
+    if isinstance(cfg.trainer, MegatronConfig):
+        from cellrunner.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
+                               megatron=cfg.trainer, seed=cfg.seed)
+    return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
+                           device_s_per_token=cfg.trainer.device_s_per_token)
+
+
+def check_ranks(cfg: CellRunnerConfig, ranks: CellRanks) -> None:
+    """A multi-rank cell needs a trainer that is one (``trainer=megatron``), and an SGLang server
+    that spans the cell's nodes (otherwise the other nodes' GPUs would sit idle while serving)."""
+    if ranks.is_multi_rank and not isinstance(cfg.trainer, MegatronConfig):
+        raise ValueError(f"this cell has {ranks.world_size} ranks, but trainer={cfg.trainer.kind} runs one "
+                         "process per cell: set cluster.ranks_per_node=1, or trainer=megatron")
+    if isinstance(cfg.engine, SGLangConfig) and cfg.engine.nnodes != ranks.nnodes:
+        raise ValueError(f"engine.nnodes={cfg.engine.nnodes}, but the cell has {ranks.nnodes} node(s): "
+                         "one SGLang server spans a cell's nodes")
+
+
+def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks | None = None) -> Any:
+    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy."""
+    seed = cfg.seed * 1000 + cell_id
+    if isinstance(cfg.engine, SGLangConfig):
+        from cellrunner.engine_sglang import SGLangEngine
+
+        node, addr = 0, ""
+        if ranks is not None and cfg.engine.nnodes > 1:
+            node, addr = ranks.node_rank, f"{ranks.master_addr}:{cfg.engine.dist_init_port}"
+        return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+                            cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir,
+                            node_rank=node, dist_init_addr=addr)
+    return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+                          cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed)
+
+
+def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks) -> Any:
+    """A follower's share of serving: another node's part of a multi-node SGLang server (its
+    local rank 0 runs it), else nothing."""
+    if isinstance(cfg.engine, SGLangConfig) and cfg.engine.nnodes > 1 and ranks.local_rank == 0 and ranks.node_rank > 0:
+        return make_engine(cfg, vocab_size, cell_id, ranks)
+    return None
+
+
+def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
+    if cfg.transfer == "mooncake":
+        m = cfg.mooncake
+        return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol=m.protocol,
+                                       device_name=m.device_name, memory=m.memory)
+    return WeightServer(ctx, f"tcp://{cfg.host}:0")
+
+
+def make_weight_puller(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPuller:
+    if cfg.transfer == "mooncake":
+        m = cfg.mooncake
+        return MooncakeWeightPuller(ctx, host=cfg.host, protocol=m.protocol, device_name=m.device_name, memory=m.memory)
+    return ZmqWeightPuller(ctx)

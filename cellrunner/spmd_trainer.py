@@ -1,0 +1,150 @@
+"""A multi-rank cell's trainer: the leader mirrors every call to its followers.
+
+``LeaderTrainer`` wraps rank 0's trainer and has the interface the cellrunner uses
+(``EmbeddedTrainer``'s): each method first sends its command (``cellrunner.spmd``), then makes
+the local call, which the followers make too. ``follow`` is ranks 1..n-1's whole life: receive a
+command, make the same call, until ``exit``.
+
+Gradients leave and enter a cell through its leader: ``take_grads`` returns every rank's buffer
+concatenated in rank order, and ``apply`` scatters each satellite's concatenation so that rank r
+adds rank r's part. A satellite's weights come in at the leader and are broadcast.
+
+A follower that fails a call logs it and goes on: the ranks take the same inputs, so a failure
+the leader also sees (a refused gradient, non-finite values) is reported by the leader as any
+command's error. A failure on one rank only leaves the others waiting in the next collective;
+the leader then stops heartbeating and the controller drops the cell (and srun's
+``--kill-on-bad-exit`` ends a step whose follower died).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cellrunner.model import FlatWeights
+from cellrunner.spmd import Command, CommandChannel, broadcast_flat, gather_flat, scatter_flat
+from cellrunner.trainer import MicrostepResult
+from controller import wire
+from controller.checkpoints import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class LeaderTrainer:
+    def __init__(self, trainer: Any, channel: CommandChannel):
+        self.trainer, self.channel = trainer, channel
+        self.rank_sizes: list[int] = []
+        """Each rank's share of the last ``take_grads``, in rank order."""
+
+    # what the cellrunner reads
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def num_microsteps(self) -> int:
+        return self.trainer.num_microsteps
+
+    @property
+    def model(self) -> Any:
+        return self.trainer.model
+
+    def start(self, weights: FlatWeights | None) -> None:
+        if weights is not None:
+            want = {s.name: tuple(s.shape) for s in self.trainer.specs}
+            if {s.name: tuple(s.shape) for s in weights.specs} != want:
+                raise ValueError("weights: manifest does not match this cell's model")
+        self.channel.send("start", weights_version=-1 if weights is None else weights.version)
+        if weights is not None:
+            data = broadcast_flat(weights.tensor(), weights.num_elements, self.trainer.device)
+            weights = FlatWeights(weights.version, self.trainer.specs, data)
+        self.trainer.start(weights)
+
+    def stop(self) -> None:
+        self.channel.send("stop")
+        self.trainer.stop()
+
+    def weights(self) -> FlatWeights:
+        self.channel.send("weights")
+        return self.trainer.weights()
+
+    def microstep(self, shard: wire.Shard) -> MicrostepResult:
+        self.channel.send("microstep", shard=wire.encode(shard))
+        return self.trainer.microstep(shard)
+
+    def take_grads(self) -> np.ndarray:
+        self.channel.send("take_grads")
+        local = self.trainer.take_grads()
+        self.rank_sizes = self.channel.sizes(local.size)
+        full = gather_flat(local, self.rank_sizes, self.trainer.device)
+        assert full is not None
+        return full
+
+    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
+        self.channel.send("apply", num_satellites=len(satellite_grads), num_executions=num_executions)
+        sizes = self.channel.sizes(self.trainer.grad_numel())
+        bad = [g.size for g in satellite_grads if g.shape != (sum(sizes),)]
+        # Checked before anything moves: a refused step leaves every rank's gradients as they were.
+        if not self.channel.flag(not bad):
+            raise ValueError(f"satellite gradient has {bad[0]} elements, want {sum(sizes)} (this cell's ranks: {sizes})")
+        mine = [scatter_flat(np.ascontiguousarray(g, dtype=np.float32), sizes, self.trainer.device) for g in satellite_grads]
+        return self.trainer.apply(mine, num_executions)
+
+    def save_checkpoint(self, directory: str) -> str:
+        self.channel.send("save_checkpoint", directory=str(directory))
+        return self.trainer.save_checkpoint(directory)
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        self.channel.send("restore", path=str(ckpt.path), version=ckpt.version)
+        self.trainer.restore(ckpt)
+
+    def close(self) -> None:
+        """Let the followers go (they exit their loop)."""
+        self.channel.send("exit")
+
+
+def follow(trainer: Any, channel: CommandChannel) -> None:
+    """A follower rank: mirror the leader's calls until it says ``exit``."""
+    while True:
+        cmd = channel.recv()
+        if cmd.op == "exit":
+            return
+        try:
+            run_command(trainer, channel, cmd)
+        except Exception:  # the leader sees the same failure and reports it
+            log.exception("follower: %s failed", cmd.op)
+
+
+def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
+    a = cmd.args
+    if cmd.op == "start":
+        weights = None
+        if a["weights_version"] >= 0:
+            numel = trainer.specs[-1].offset + int(np.prod(trainer.specs[-1].shape))
+            weights = FlatWeights(a["weights_version"], trainer.specs, broadcast_flat(None, numel, trainer.device))
+        trainer.start(weights)
+    elif cmd.op == "stop":
+        trainer.stop()
+    elif cmd.op == "weights":
+        trainer.weights()
+    elif cmd.op == "microstep":
+        shard = wire.decode(a["shard"], expect=(wire.Shard,))
+        trainer.microstep(shard)
+    elif cmd.op == "take_grads":
+        local = trainer.take_grads()
+        gather_flat(local, channel.sizes(local.size), trainer.device)
+    elif cmd.op == "apply":
+        sizes = channel.sizes(trainer.grad_numel())
+        if not channel.flag():
+            return
+        mine = [scatter_flat(None, sizes, trainer.device) for _ in range(a["num_satellites"])]
+        trainer.apply(mine, a["num_executions"])
+    elif cmd.op == "save_checkpoint":
+        trainer.save_checkpoint(a["directory"])
+    elif cmd.op == "restore":
+        trainer.restore(Checkpoint(a["version"], Path(a["path"])))
+    else:  # decode_command admits only COMMANDS
+        raise AssertionError(cmd.op)

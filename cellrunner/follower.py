@@ -6,9 +6,12 @@ constructor does, ``env://`` from ``cellrunner.ranks``), opens the command chann
 rank 0 also runs that node's part of the cell's SGLang server (``--node-rank``): SGLang drives
 all nodes from node 0's HTTP API, so nothing else is asked of it.
 
-Stopping: SIGTERM (srun, scancel, the local launcher) stops the SGLang part and exits at once.
-The follower's main thread usually sits in a collective, where Python would not run a signal
-handler, so the signal is taken by a thread with ``sigwait``.
+Stopping: srun and the local launcher signal every rank of a cell at once, but the leader's
+graceful stop still needs its followers (the core's final checkpoint is a collective). So SIGTERM
+only starts a grace period: a follower leaves when the leader says ``exit``, or when the grace
+runs out (a leader that died), stopping its SGLang part either way. The follower's main thread
+usually sits in a collective, where Python would not run a signal handler, so a thread learns of
+the signal through ``signal.set_wakeup_fd``.
 """
 
 from __future__ import annotations
@@ -27,26 +30,40 @@ from cellrunner.spmd_trainer import follow
 log = logging.getLogger("cellrunner.follower")
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+GRACE_S = 120.0
+"""How long a signalled follower waits for the leader's ``exit`` (its final checkpoint)."""
 
 
-def stop_on_signal(on_stop: Any) -> None:
-    """Block STOP_SIGNALS in this thread (and every thread started after), take them in a watcher."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+def stop_on_signal(on_stop: Any, done: threading.Event, grace_s: float = GRACE_S) -> None:
+    """Take STOP_SIGNALS without dying: give the main loop ``grace_s`` to end (``done``), then
+    call ``on_stop`` and exit. Main thread only (signal handlers and the wakeup fd are set here)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: None)  # the wakeup fd below is what acts
+    # The C-level handler writes the signal number here at once, even while the main thread
+    # sits in a collective (a Python handler would only run after it returns).
+    signal.set_wakeup_fd(w)
 
     def watch() -> None:
-        sig = signal.sigwait(STOP_SIGNALS)
-        log.info("follower: %s: stopping", signal.Signals(sig).name)
+        sig = os.read(r, 1)[0]
+        log.info("follower: %s: leaving when the leader says exit, at most %.0fs from now",
+                 signal.Signals(sig).name, grace_s)
+        if done.wait(grace_s):
+            return  # the main thread ends the process
+        log.warning("follower: no exit from the leader in %.0fs: stopping", grace_s)
         try:
             on_stop()
         finally:
-            os._exit(0)
+            os._exit(3)
 
     threading.Thread(target=watch, name="follower-signals", daemon=True).start()
 
 
 def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int) -> None:
     engine = make_node_engine(cfg, vocab_size, cell_id, ranks)
-    stop_on_signal(lambda: engine.stop() if engine is not None else None)
+    done = threading.Event()
+    stop_on_signal(lambda: engine.stop() if engine is not None else None, done)
     trainer = make_trainer(cfg, vocab_size, is_core=cell_id == cfg.core_cell)
     channel = CommandChannel()
     if engine is not None:
@@ -56,6 +73,7 @@ def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int) -> N
     try:
         follow(trainer, channel)
     finally:
+        done.set()
         if engine is not None:
             engine.stop()
     log.info("cell %d: rank %d: the leader said exit", cell_id, ranks.rank)

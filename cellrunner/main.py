@@ -318,13 +318,20 @@ def main() -> None:
 
             vocab_size = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks).vocab_size
             run_follower(cfg, args.cell_id, ranks, vocab_size)
-            return
-        runner = CellRunner(cfg, args.cell_id, args.controller, ranks)
-        signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
-        runner.run()
+        else:
+            runner = CellRunner(cfg, args.cell_id, args.controller, ranks)
+            signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
+            runner.run()
     except BackendUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback
         log.error("cell %d: %s", args.cell_id, exc)
         raise SystemExit(2) from None
+    if ranks.is_multi_rank:
+        # Everything is saved and every socket closed by now. The interpreter's teardown of
+        # megatron-core and a process group takes seconds, which srun would count against the
+        # step's polite end (it is then cancelled, not completed): leave at once.
+        log.info("cell %d: rank %d done", args.cell_id, ranks.rank)
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

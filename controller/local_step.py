@@ -3,7 +3,9 @@
 ``python -m controller.local_step --cell-id C --ranks N --ranks-per-node N --host H --dist-port P -- <cellrunner args>``
 starts the cell's N ranks (``cellrunner.main`` with the variables of ``cellrunner.ranks``; rank 0
 leads) and supervises them as one unit, like ``srun --kill-on-bad-exit``: the first rank that
-fails ends the others, SIGTERM reaches every rank, and the step's exit code is the first failure's.
+fails ends the others, SIGTERM reaches every rank (as ``scancel`` does a step's tasks: the leader
+stops gracefully, the followers wait for its ``exit``), and the step's exit code is the first
+failure's.
 The controller supervises this process as it would one cellrunner.
 
 GPUs: when ``CUDA_VISIBLE_DEVICES`` is not set, cell C's ranks see GPUs ``C*N .. C*N+N-1`` (cells
@@ -22,7 +24,9 @@ import time
 from cellrunner.ranks import rank_env
 from controller.lifecycle import PARENT_PID_ENV, exit_with_parent
 
-KILL_AFTER_S = 10.0
+KILL_AFTER_S = 150.0
+"""After SIGTERM: longer than a follower's grace (cellrunner.follower.GRACE_S), so the leader's final
+checkpoint can finish."""
 
 
 def rank_argv(cell_args: list[str]) -> list[str]:

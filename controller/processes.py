@@ -25,10 +25,16 @@ class StartError(RuntimeError):
     pass
 
 
+def python_path() -> str:
+    """The project first, then whatever the user's PYTHONPATH held (site additions survive)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(PROJECT_ROOT)]
+    return os.pathsep.join([str(PROJECT_ROOT), *kept])
+
+
 def spawn(name: str, module: str, args: list[str], log_dir: Path) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / f"{name}.log", "wb")
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+    env = {**os.environ, "PYTHONPATH": python_path(), "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, env=env, start_new_session=True,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from cellrunner.ranks import NNODES_ENV, NODE_RANK_ENV
 from controller.lifecycle import PARENT_PID_ENV
-from controller.processes import PROJECT_ROOT, StartError
+from controller.processes import StartError, python_path
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class SlurmCells:
         log.info("cell %d: srun step on %s", cell_id, ",".join(nodes))
         # A cell under srun is slurmstepd's child, not ours: it must not be told our pid.
         env = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}
-        env |= {"PYTHONPATH": str(PROJECT_ROOT), "PYTHONUNBUFFERED": "1"}
+        env |= {"PYTHONPATH": python_path(), "PYTHONUNBUFFERED": "1"}
         with open(log_dir / f"cell{cell_id}.log", "wb") as out:
             return SrunStep(argv, job_id=self.job_id, step_name=f"{STEP_NAME_PREFIX}{cell_id}", stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)

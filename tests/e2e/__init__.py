@@ -17,18 +17,19 @@ SMALL = ["workload.groups_per_step=2", "workload.group_size=4", "workload.min_us
 """Overrides that keep a run to a few seconds a step on two cores."""
 
 
-def start_gyre(runs: Path, *overrides: str) -> subprocess.Popen:
+def start_gyre(runs: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "controller.main", f"run.runs_dir={runs}", *SMALL, *overrides]
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def run_gyre_with(
-    runs: Path, meddle: Callable[[Path, threading.Event, dict], None], *overrides: str, timeout_s: float = 400
+    runs: Path, meddle: Callable[[Path, threading.Event, dict], None], *overrides: str, timeout_s: float = 400,
+    env: dict[str, str] | None = None,
 ) -> tuple[Path, dict]:
     """Run gyre to the end while ``meddle(run_dir, done, report)`` interferes from a thread (it
     should return once ``done`` is set); assert the run succeeded; return (run_dir, report)."""
-    proc = start_gyre(runs, *overrides)
+    proc = start_gyre(runs, *overrides, env=env)
     run_dir = run_dir_of(runs)
     done, report = threading.Event(), {}
     threading.Thread(target=meddle, args=(run_dir, done, report), daemon=True).start()

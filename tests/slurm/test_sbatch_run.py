@@ -190,3 +190,38 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_env, tmp_path):
     versions = [e["weight_version"] for e in events(run_dir, "step")]
     assert versions[-1] == steps and set(range(1, steps + 1)) <= set(versions)
     assert (run_dir / "processor.1").is_dir() and (run_dir / f"checkpoints/v{steps}/model.safetensors").is_file()
+
+
+@pytest.mark.e2e
+def test_megatron_cells_run_their_ranks_across_nodes(slurm_env, tmp_path):
+    """2 cells x 2 nodes x 2 ranks per node: each cell is a 4-rank Megatron layout (TP=2, DP=2)
+    spread over two virtual nodes, rank 0 leading; every step's srun tasks take their ranks
+    from Slurm, the core's ranks checkpoint together, and both steps end COMPLETED."""
+    env = {**slurm_env, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/support/megatron_cpu'}",
+           "GYRE_TEST_MEGATRON_CPU_SHIMS": "1"}  # megatron-core's CPU shims in every rank (test support)
+    steps = 3
+    job = slurm(env, "sbatch", "--parsable", "--nodes=4", "--ntasks-per-node=2", f"--output={tmp_path}/slurm-%j.out",
+                f"--chdir={ROOT}", str(ROOT / "slurm/gyre_local.sbatch"), f"run.runs_dir={tmp_path}/runs",
+                f"run.steps={steps}", "cluster.num_cells=2", "cluster.ranks_per_node=2", "trainer=megatron",
+                "trainer.tensor_model_parallel_size=2", "trainer.params_dtype=float32",
+                "trainer.offload_when_serving=false", "algo.tree_packing=false", "run.eval_at_start=false",
+                "run.eval_at_end=false", *SHORT_RUN).strip().split(";")[0]
+    state, code = wait_job(slurm_env, job, timeout_s=300)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), log[-3000:]
+    run_dir = run_dir_of(tmp_path / "runs")
+    versions = [e["weight_version"] for e in events(run_dir, "step")]
+    assert versions == list(range(1, steps + 1))
+    assert any(len(e["trainers"]) == 2 for e in events(run_dir, "step"))  # the satellite's 4 ranks trained too
+    by_name = steps_of(slurm_env, job)
+    for cell, nodes in ((0, ("n1", "n2")), (1, ("n3", "n4"))):
+        assert by_name[f"gyre-cell{cell}"] == (f"n[{nodes[0][1]}-{nodes[1][1]}]", "COMPLETED"), by_name
+        cell_log = (run_dir / f"logs/cell{cell}.log").read_text()
+        for rank in range(4):
+            node = nodes[rank // 2]
+            assert f"task {rank} on {node} of step {job}." in cell_log and f"runs rank {rank} of 4" in cell_log
+            assert f"cell {cell}: rank {rank} done" in cell_log
+        assert f"cell {cell}: rank 3 of 4 (node 1, local rank 1) follows rank 0" in cell_log
+    shards = sorted(p.name for p in (run_dir / f"checkpoints/v{steps}").iterdir())
+    assert shards == ["checkpoint.json", "gyre_megatron.json", "tp00_pp00_ep00.safetensors",
+                      "tp01_pp00_ep00.safetensors"]

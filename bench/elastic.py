@@ -193,6 +193,7 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "microstep_s": [e["fb_s"] for e in ev.get("microstep", [])],
         "microsteps": len(ev.get("microstep", [])),
         "load_s": [e["load_s"] for e in ev.get("weights_loaded", [])],
+        "shard_latency_s": [e["shard_latency_s"] for e in ev.get("group", []) if e.get("shard_latency_s") is not None],
     }
 
 
@@ -237,11 +238,11 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "microsteps_per_step": median(microsteps_per_step),
         "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
         "call_s_median": pooled(results, "call_s"), "first_call_s_median": pooled(results, "first_call_s"),
-        "launch_s": launch_s,
+        "launch_s": launch_s, "grade_s": pooled(results, "shard_latency_s"),
     }
     per_policy = {
         k: {kk: vv for kk, vv in r.items() if kk not in ("call_s", "first_call_s", "to_train_s", "to_serve_s", "pull_s", "apply_s",
-                                                         "microstep_s", "load_s")}
+                                                         "microstep_s", "load_s", "shard_latency_s")}
         for k, r in results.items()
     }
     return {

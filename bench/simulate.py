@@ -41,7 +41,8 @@ TRACES = Path(__file__).resolve().parent / "traces"
 POLICIES = ("elastic", "async", "colocate")
 QUICK_STEPS = 6
 GRADE_S_ASSUMED = 0.05
-"""Embedded: last run of a group ends -> its shards reach the controller (grading, processor)."""
+"""Embedded: last run of a group ends -> its shards reach the controller (grading, processor);
+used only for result files from before bench.elastic measured it (``calibration.grade_s``)."""
 GRAD_TRANSFER_S_ASSUMED = 0.02
 """Embedded: a satellite's gradient push (a few MB over local ZeroMQ)."""
 
@@ -159,7 +160,7 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
     shape = WorkloadShape(
         steps=result["config"]["steps"], groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
         timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_group, launch_s=cal["launch_s"],
-        grade_s=GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
+        grade_s=cal.get("grade_s") or GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
     )
     trace = Trace(name="embedded", description="bench.elastic's setup, measured costs", generator="bench.simulate",
                   cells=cells, workload=shape, reference_h=None, phases=(Phase(name="all", first_step=0, runs=(0, 1)),),
@@ -178,7 +179,7 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
             out += [first_s if not out else call_s, t]
         return tuple(out)
 
-    assumed = [f"grade_s={GRADE_S_ASSUMED}", f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"]
+    assumed = [f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"] + ([] if cal.get("grade_s") else [f"grade_s={GRADE_S_ASSUMED}"])
     return trace, runs, assumed
 
 

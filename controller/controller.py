@@ -354,6 +354,11 @@ class Controller:
     def on_group_done(self, ident: bytes, msg: wire.GroupDone) -> None:
         if not self._is_peer(ident, "processor"):
             return
+        ends = [ex.ended_at for ex in self.executions.executions.values() if ex.group_id == msg.group_id and ex.ended_at]
+        # From the group's last run ending to its shard reaching us: grading, tree building, packing
+        # (what the simulator calls grade_s; bench.elastic measures it from these events).
+        self.metrics.log("group", t=time.monotonic() - self.t0, step=msg.step, group=msg.group_id,
+                         num_usable=msg.num_usable, shard_latency_s=time.monotonic() - max(ends) if ends else None)
         if self.steps.on_group_done(msg):
             self.num_groups_dropped += 1
             n = self.replacements.get(msg.step, 0)

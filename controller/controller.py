@@ -448,6 +448,8 @@ class Controller:
             self.executions.launch(ex, now)
 
     def on_execution_ended(self, ex: Execution) -> None:
+        self.metrics.log("execution", t=time.monotonic() - self.t0, id=ex.execution_id, step=ex.step, train=ex.train,
+                         outcome=ex.outcome, run_s=ex.ended_at - ex.started_at)
         self.send_to("processor", wire.Grade(
             execution_id=ex.execution_id, group_id=ex.group_id, step=ex.step, group_size=ex.group_size,
             outcome=ex.outcome, reward=ex.reward, train=ex.train,

@@ -235,6 +235,12 @@ def harness_start_s(root: Path, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def quantiles(values: list[float], n: int = 20) -> list[float]:
+    """The 0, 1/n, ..., 1 quantiles of ``values`` (nearest rank), negatives as 0."""
+    v = sorted(max(0.0, x) for x in values)
+    return [v[round(i * (len(v) - 1) / n)] for i in range(n + 1)]
+
+
 def pooled(results: dict[str, dict[str, Any]], key: str) -> float | None:
     return median([v for r in results.values() for v in r[key]])
 
@@ -256,7 +262,9 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
         "call_s_median": pooled(results, "call_s"), "first_call_s_median": pooled(results, "first_call_s"),
         # A run's own overhead, measured where runs are never stalled (elastic); else harness start alone.
+        # Its spread matters (a group waits for its slowest run), so the quantiles go too.
         "launch_s": median(e["run_overhead_s"]) if e and e["run_overhead_s"] else launch_s,
+        "run_overhead_s_quantiles": quantiles(e["run_overhead_s"]) if e and e["run_overhead_s"] else None,
         "harness_start_s": launch_s, "grade_s": pooled(results, "shard_latency_s"),
     }
     per_policy = {

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -159,7 +160,8 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
     )
     shape = WorkloadShape(
         steps=result["config"]["steps"], groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
-        timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_group, launch_s=cal["launch_s"],
+        timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_group,
+        launch_s=0.0 if cal.get("run_overhead_s_quantiles") else cal["launch_s"],
         grade_s=cal.get("grade_s") or GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
     )
     trace = Trace(name="embedded", description="bench.elastic's setup, measured costs", generator="bench.simulate",
@@ -169,18 +171,28 @@ def embedded_trace(result: dict[str, Any]) -> tuple[Trace, RunSource, list[str]]
     # The first call of a run carries its prompt's prefill and starts with the rest of its step;
     # older result files lack the figure and fall back to the typical call.
     first_s = cal.get("first_call_s_median") or call_s
+    overheads = cal.get("run_overhead_s_quantiles")
 
     def runs(execution_id: str, _step: int) -> tuple[float, ...]:
         out: list[float] = []
+        if overheads:  # the run's own overhead, drawn from the measured spread: (no call, overhead) first
+            out += [0.0, draw(overheads, execution_id)]
         if think["kind"] == "none":
-            return (first_s, 0.0) + (call_s, 0.0) * (turns - 1)
-        for t in think_times(seed=think["seed"], execution_id=execution_id, median_s=think["median_s"],
-                             sigma=think["sigma"], max_s=think["max_s"], turns=turns):
-            out += [first_s if not out else call_s, t]
+            return tuple(out) + (first_s, 0.0) + (call_s, 0.0) * (turns - 1)
+        for i, t in enumerate(think_times(seed=think["seed"], execution_id=execution_id, median_s=think["median_s"],
+                                          sigma=think["sigma"], max_s=think["max_s"], turns=turns)):
+            out += [first_s if i == 0 else call_s, t]
         return tuple(out)
 
     assumed = [f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"] + ([] if cal.get("grade_s") else [f"grade_s={GRADE_S_ASSUMED}"])
     return trace, runs, assumed
+
+
+def draw(quantiles: list[float], key: str) -> float:
+    """A value from the measured quantiles, at a point fixed by ``key`` (linear between them)."""
+    u = random.Random(f"gyre-overhead/{key}").random() * (len(quantiles) - 1)
+    i = min(int(u), len(quantiles) - 2)
+    return quantiles[i] + (u - i) * (quantiles[i + 1] - quantiles[i])
 
 
 def calibrate(path: Path | None) -> dict[str, Any]:

@@ -7,10 +7,12 @@ a gloo group of the cell, and the followers decode and check it like any frame o
 Nothing here pickles: ``broadcast_object_list`` and friends would.
 
 Bulk tensors use the cell's default group on the trainer's device (NCCL on GPUs, gloo on CPU):
-the weights a satellite pulled reach every rank by one broadcast; a satellite's gradient is every
-rank's flat DDP buffer gathered on the leader and concatenated in rank order; the core scatters
-each satellite's concatenation back, so rank r adds what rank r of the satellite computed (cells
-share one training layout, so rank r's buffer means the same thing in every cell).
+the weights a satellite pulled reach every rank by one broadcast; a satellite's gradient is the
+flat DDP buffers of its ranks gathered on the leader and concatenated in rank order, each buffer
+once (DP replicas hold the same reduced gradient, so only the first of them sends); the core
+scatters each satellite's concatenation back, so rank r adds what rank r (or its replica) of the
+satellite computed (cells share one training layout, so rank r's buffer means the same thing in
+every cell).
 """
 
 from __future__ import annotations
@@ -142,19 +144,36 @@ def gather_flat(local: np.ndarray, sizes: list[int], device: torch.device) -> np
     return None
 
 
-def scatter_flat(full: np.ndarray | None, sizes: list[int], device: torch.device) -> np.ndarray:
-    """The inverse of ``gather_flat``: rank r gets its slice of rank 0's concatenation."""
-    width, rank = max(sizes), dist.get_rank()
+def scatter_chunks(chunks: list[np.ndarray] | None, sizes: list[int], device: torch.device) -> np.ndarray:
+    """Rank r gets ``chunks[r]`` (of ``sizes[r]`` elements) from rank 0; None elsewhere."""
+    width, rank = max(max(sizes), 1), dist.get_rank()
     mine = torch.empty(width, dtype=torch.float32, device=device)
     if rank == 0:
-        assert full is not None and full.size == sum(sizes)
-        parts, offset = [], 0
-        for n in sizes:
+        assert chunks is not None and [c.size for c in chunks] == sizes
+        parts = []
+        for c in chunks:
             part = torch.zeros(width, dtype=torch.float32, device=device)
-            part[:n] = torch.from_numpy(full[offset: offset + n]).to(device)
+            part[: c.size] = torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32)).to(device)
             parts.append(part)
-            offset += n
         dist.scatter(mine, parts, src=0)
     else:
         dist.scatter(mine, None, src=0)
     return mine[: sizes[rank]].cpu().numpy()
+
+
+def owner_slices(keys: list[int], sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ranks whose buffers are copies of another's (equal ``keys``: DP replicas of one
+    model-parallel rank) send nothing. Returns what each rank sends (its size, or 0) and, for every
+    rank, the (offset, size) of its buffer in the concatenation of what was sent."""
+    first = {}
+    for r, k in enumerate(keys):
+        first.setdefault(k, r)
+    sent = [n if first[k] == r else 0 for r, (k, n) in enumerate(zip(keys, sizes))]
+    offsets = np.concatenate([[0], np.cumsum(sent)]).tolist()
+    where = []
+    for r, k in enumerate(keys):
+        owner = first[k]
+        if sizes[owner] != sizes[r]:
+            raise ValueError(f"ranks {owner} and {r} share a gradient key but not a size ({sizes[owner]} vs {sizes[r]})")
+        where.append((int(offsets[owner]), sizes[r]))
+    return sent, where

@@ -5,9 +5,9 @@
 the local call, which the followers make too. ``follow`` is ranks 1..n-1's whole life: receive a
 command, make the same call, until ``exit``.
 
-Gradients leave and enter a cell through its leader: ``take_grads`` returns every rank's buffer
-concatenated in rank order, and ``apply`` scatters each satellite's concatenation so that rank r
-adds rank r's part. A satellite's weights come in at the leader and are broadcast.
+Gradients leave and enter a cell through its leader: ``take_grads`` returns the ranks' buffers
+concatenated in rank order, DP replicas' identical copies left out, and ``apply`` scatters each
+satellite's concatenation so that rank r adds rank r's part (a replica gets its original's). A satellite's weights come in at the leader and are broadcast.
 
 A follower that fails a call logs it and goes on: the ranks take the same inputs, so a failure
 the leader also sees (a refused gradient, non-finite values) is reported by the leader as any
@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from cellrunner.model import FlatWeights
-from cellrunner.spmd import Command, CommandChannel, broadcast_flat, gather_flat, scatter_flat
+from cellrunner.spmd import (
+    Command, CommandChannel, broadcast_flat, gather_flat, owner_slices, scatter_chunks,
+)
 from cellrunner.trainer import MicrostepResult
 from controller import wire
 from controller.checkpoints import Checkpoint
@@ -77,20 +80,22 @@ class LeaderTrainer:
 
     def take_grads(self) -> np.ndarray:
         self.channel.send("take_grads")
-        local = self.trainer.take_grads()
-        self.rank_sizes = self.channel.sizes(local.size)
-        full = gather_flat(local, self.rank_sizes, self.trainer.device)
+        full, self.rank_sizes = take_grads_everywhere(self.trainer, self.channel)
         assert full is not None
         return full
 
     def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
         self.channel.send("apply", num_satellites=len(satellite_grads), num_executions=num_executions)
-        sizes = self.channel.sizes(self.trainer.grad_numel())
-        bad = [g.size for g in satellite_grads if g.shape != (sum(sizes),)]
+        sent, where = grad_layout(self.trainer, self.channel)
+        bad = [g.size for g in satellite_grads if g.shape != (sum(sent),)]
         # Checked before anything moves: a refused step leaves every rank's gradients as they were.
         if not self.channel.flag(not bad):
-            raise ValueError(f"satellite gradient has {bad[0]} elements, want {sum(sizes)} (this cell's ranks: {sizes})")
-        mine = [scatter_flat(np.ascontiguousarray(g, dtype=np.float32), sizes, self.trainer.device) for g in satellite_grads]
+            raise ValueError(f"satellite gradient has {bad[0]} elements, want {sum(sent)} (sent by this cell's ranks: {sent})")
+        mine = []
+        for g in satellite_grads:
+            g = np.ascontiguousarray(g, dtype=np.float32)
+            chunks = [g[off: off + n] for off, n in where]
+            mine.append(scatter_chunks(chunks, [n for _, n in where], self.trainer.device))
         return self.trainer.apply(mine, num_executions)
 
     def save_checkpoint(self, directory: str) -> str:
@@ -134,13 +139,12 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
         shard = wire.decode(a["shard"], expect=(wire.Shard,))
         trainer.microstep(shard)
     elif cmd.op == "take_grads":
-        local = trainer.take_grads()
-        gather_flat(local, channel.sizes(local.size), trainer.device)
+        take_grads_everywhere(trainer, channel)
     elif cmd.op == "apply":
-        sizes = channel.sizes(trainer.grad_numel())
+        _, where = grad_layout(trainer, channel)
         if not channel.flag():
             return
-        mine = [scatter_flat(None, sizes, trainer.device) for _ in range(a["num_satellites"])]
+        mine = [scatter_chunks(None, [n for _, n in where], trainer.device) for _ in range(a["num_satellites"])]
         trainer.apply(mine, a["num_executions"])
     elif cmd.op == "save_checkpoint":
         trainer.save_checkpoint(a["directory"])
@@ -148,3 +152,18 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
         trainer.restore(Checkpoint(a["version"], Path(a["path"])))
     else:  # decode_command admits only COMMANDS
         raise AssertionError(cmd.op)
+
+
+def grad_layout(trainer: Any, channel: CommandChannel) -> tuple[list[int], list[tuple[int, int]]]:
+    """Every rank's part in the cell's gradient vector (collective): what each sends, and where
+    each rank's own buffer sits in the concatenation."""
+    keys = channel.sizes(trainer.grad_owner_key())
+    return owner_slices(keys, channel.sizes(trainer.grad_numel()))
+
+
+def take_grads_everywhere(trainer: Any, channel: CommandChannel) -> tuple[np.ndarray | None, list[int]]:
+    """Collective: the cell's gradient on the leader (None elsewhere), and what each rank sent."""
+    local = trainer.take_grads()
+    sent, _ = grad_layout(trainer, channel)
+    mine = local if sent[dist.get_rank()] else local[:0]
+    return gather_flat(mine, sent, trainer.device), sent

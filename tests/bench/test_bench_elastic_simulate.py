@@ -57,6 +57,7 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     # --quick runs no extra async splits: the best one is the only one
     assert out["best_async"] == "async" and out["elastic_vs_best_async"] == out["elastic_vs_async"]
     assert finite(out["calibration"]["first_call_s_median"])
+    assert finite(out["calibration"]["grade_s"])  # measured from the 'group' events, not assumed
     assert out["staleness_ok"] is True  # checked on every real CallRecord of the three runs
     for policy in ("elastic", "async", "colocate"):
         assert out["policies"][policy]["num_calls"] > 0
@@ -65,3 +66,30 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
         assert "not measured" in cal["reason"]
     else:
         assert finite(cal["error"]) and set(cal["predicted"]) == {"elastic_vs_async", "elastic_vs_colocate"}
+
+
+def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):
+    from controller.wire import CallRecord
+
+    def call(eid: str, start: float, end: float) -> CallRecord:
+        return CallRecord(execution_id=eid, call_id=f"{eid}-{start}", call_index=0, prompt_ids=[1], output_ids=[2],
+                          output_logprobs=[-0.1], weight_version=0, cell_id=0, finish_reason="stop",
+                          started_at=start, finished_at=end)
+
+    logs = []
+    for eid, think in (("s0-g0-e0", 1.5), ("s0-g0-e1", 0.25), ("s0-g0-e2", 3.0)):
+        logs.append(tmp_path / f"{eid}.log")
+        logs[-1].write_text(f"harness: think {think:.3f}s over 3 turns\n")
+    executions = [
+        {"id": "s0-g0-e0", "train": True, "outcome": "finished", "run_s": 4.0},
+        {"id": "s0-g0-e1", "train": True, "outcome": "finished", "run_s": 1.0},
+        {"id": "s0-g0-e2", "train": True, "outcome": "timed_out", "run_s": 10.0},  # cut short: no overhead
+        {"id": "eval-0", "train": False, "outcome": "finished", "run_s": 9.0},
+    ]
+    calls = [call("s0-g0-e0", 10.0, 10.5), call("s0-g0-e0", 20.0, 20.5), call("s0-g0-e1", 5.0, 5.25)]
+    assert elastic.run_overheads(executions, calls, logs) == [0.5, 1.5]
+    q = elastic.quantiles([3.0, -1.0, 1.0, 2.0], n=4)
+    assert q[0] == 0.0 and q[-1] == 3.0 and q == sorted(q) and len(q) == 5  # negatives clip to 0
+    draws = [simulate.draw([1.0, 2.0, 4.0], f"e{i}") for i in range(200)]
+    assert all(1.0 <= d <= 4.0 for d in draws) and draws == [simulate.draw([1.0, 2.0, 4.0], f"e{i}") for i in range(200)]
+    assert min(draws) < 1.5 and max(draws) > 3.0  # spread over the whole range

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-from cellrunner.spmd import COMMANDS, CommandError, decode_command, encode_command  # noqa: E402
+from cellrunner.spmd import COMMANDS, CommandError, decode_command, encode_command, owner_slices  # noqa: E402
 
 
 def test_every_command_round_trips():
@@ -43,6 +43,17 @@ def test_bad_commands_are_refused(data, match):
         decode_command(data)
     with pytest.raises(CommandError):
         encode_command("stop", extra=1)
+
+
+def test_dp_replicas_send_their_gradient_once():
+    # ranks 0-3: TP 0/1 of DP replica 0, then TP 0/1 of replica 1 (keys = model-parallel rank)
+    sent, where = owner_slices([0, 1, 0, 1], [5, 3, 5, 3])
+    assert sent == [5, 3, 0, 0]
+    assert where == [(0, 5), (5, 3), (0, 5), (5, 3)]  # a replica takes its original's slice
+    sent, where = owner_slices([-1, -2], [4, 6])  # expert parallel: every buffer is its own
+    assert sent == [4, 6] and where == [(0, 4), (4, 6)]
+    with pytest.raises(ValueError, match="share a gradient key but not a size"):
+        owner_slices([0, 0], [4, 5])
 
 
 def free_port() -> int:
@@ -84,7 +95,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from cellrunner.spmd import CommandChannel, broadcast_flat, gather_flat, scatter_flat
+    from cellrunner.spmd import CommandChannel, broadcast_flat, gather_flat, scatter_chunks
 
     dist.init_process_group("gloo", init_method="env://")
     rank, cpu = dist.get_rank(), torch.device("cpu")
@@ -115,7 +126,11 @@ def worker() -> None:
     full = gather_flat(local, sizes, cpu)
     if rank == 0:
         out["sizes"], out["gathered"] = sizes, full.tolist()
-    mine = scatter_flat(-full if rank == 0 else None, sizes, cpu)
+    chunks = None
+    if rank == 0:
+        offsets = np.cumsum([0, *sizes])
+        chunks = [-full[offsets[r]:offsets[r + 1]] for r in range(3)]
+    mine = scatter_chunks(chunks, sizes, cpu)
     out["scattered"] = mine.tolist()
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)

@@ -53,6 +53,10 @@ def test_a_two_rank_cell_steps_like_one_replica(tp, tmp_path):
     lead, follower = results
     assert follower == {"followed": 4}
     assert lead["grad_elements"] == sum(lead["rank_sizes"]) and len(lead["rank_sizes"]) == 2
+    if tp == 2:  # two TP shards: both send
+        assert all(lead["rank_sizes"])
+    else:  # two DP replicas hold the same reduced gradient: only the first sends it
+        assert lead["rank_sizes"][0] > 0 and lead["rank_sizes"][1] == 0
     assert lead["refused"] and "elements" in lead["refused"]
     assert lead["versions"] == [1, 1, 1]
     assert lead["norm"] == pytest.approx(lead["norm_ref"], rel=1e-6) and lead["norm"] > 0

@@ -12,10 +12,12 @@ printed beside the trace that carries them.
 Calibration: ``--calibrate`` takes a ``bench.elastic`` result file. The simulator is given that
 run's setup (4 cells, capacity, workload, staleness, and the think time of every execution, from
 the same function the harness used) and its measured costs (median switch times, weight loads,
-microstep and apply times, call latency, harness start), simulates each policy, and
-``calibration_error`` is the larger of |predicted ratio - measured ratio| / measured over
-``elastic_vs_async`` and ``elastic_vs_colocate``. Without a result file it is null, with the reason.
-No value is ever filled in that was not measured; ``assumed`` lists the two that are not.
+microstep and apply times, call latency, each run's own overhead drawn from its measured spread,
+the shard latency), simulates each policy, and ``calibration_error`` is the larger of
+|predicted ratio - measured ratio| / measured over ``elastic_vs_async`` and
+``elastic_vs_colocate``. Without a result file it is null, with the reason. No value is ever
+filled in that was not measured; ``assumed`` lists those that are not (the gradient push, and
+for older result files the shard latency).
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class LocalCells:
     def launch(self, cell_id: int, cell_args: list[str], log_dir: Path) -> subprocess.Popen:
         if self.ranks_per_node == 1:
             return spawn(f"cell{cell_id}", "cellrunner.main", cell_args, log_dir)
-        step = ["--cell-id", str(cell_id), "--ranks", str(self.ranks_per_node), "--ranks-per-node",
-                str(self.ranks_per_node), "--host", self.host, "--dist-port", str(self.dist_port + cell_id)]
+        step = ["--cell-id", str(cell_id), "--ranks", str(self.ranks_per_node), "--host", self.host,
+                "--dist-port", str(self.dist_port + cell_id)]
         return spawn(f"cell{cell_id}", "controller.local_step", [*step, "--", *cell_args], log_dir)
 
 

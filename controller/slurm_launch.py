@@ -285,12 +285,12 @@ def step_main(argv: list[str] | None = None) -> None:
         host = json.loads(Path(cell_args[i]).read_text()).get("host", AUTO_HOST)
         cell_args[i] = bind_config_to_node(cell_args[i], args.cell_nodes)
     if args.ranks > 1:
-        master = host if host != AUTO_HOST else socket.gethostbyname(expected[0])
         try:
+            master = host if host != AUTO_HOST else socket.gethostbyname(expected[0])
             os.environ.update(rank_env_of_task(os.environ, nodes=expected, cell_ranks=args.ranks, master_addr=master,
                                                dist_port=args.dist_port))
-        except ValueError as exc:
-            sys.exit(f"slurm_launch: {exc}")
+        except (OSError, ValueError) as exc:  # the cell's first node does not resolve, or a bad layout
+            sys.exit(f"slurm_launch: cannot place rank {rank} of the cell: {exc}")
     print(f"slurm_launch: task {rank} on {node} of step {os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')} "
           f"(nodes {step_nodelist}) runs rank {rank} of {args.ranks} of the cell", flush=True)
     # exec, so signals from scancel/srun reach the cellrunner itself

@@ -48,9 +48,9 @@ log = logging.getLogger("cellrunner")
 
 
 class CellRunner:
-    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str, ranks: CellRanks | None = None):
+    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str, ranks: CellRanks):
         self.cfg = cfg
-        self.ranks = ranks or ranks_from_env({})
+        self.ranks = ranks
         self.cell_id = cell_id
         self.is_core = cell_id == cfg.core_cell
         self.ctx = zmq.Context.instance()

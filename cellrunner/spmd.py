@@ -113,8 +113,8 @@ class CommandChannel:
         dist.broadcast(t, src=0, group=self.group)
         return bool(t.item())
 
-    def sizes(self, local: int) -> list[int]:
-        """Every rank's ``local`` count, in rank order."""
+    def gather_ints(self, local: int) -> list[int]:
+        """Every rank's ``local`` integer, in rank order, on every rank."""
         parts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, torch.tensor([local], dtype=torch.int64), group=self.group)
         return [int(p.item()) for p in parts]
@@ -145,7 +145,7 @@ def gather_flat(local: np.ndarray, sizes: list[int], device: torch.device) -> np
 
 
 def scatter_chunks(chunks: list[np.ndarray] | None, sizes: list[int], device: torch.device) -> np.ndarray:
-    """Rank r gets ``chunks[r]`` (of ``sizes[r]`` elements) from rank 0; None elsewhere."""
+    """Rank r gets ``chunks[r]`` (of ``sizes[r]`` elements); ``chunks`` is given on rank 0, None elsewhere."""
     width, rank = max(max(sizes), 1), dist.get_rank()
     mine = torch.empty(width, dtype=torch.float32, device=device)
     if rank == 0:

@@ -7,7 +7,8 @@ command, make the same call, until ``exit``.
 
 Gradients leave and enter a cell through its leader: ``take_grads`` returns the ranks' buffers
 concatenated in rank order, DP replicas' identical copies left out, and ``apply`` scatters each
-satellite's concatenation so that rank r adds rank r's part (a replica gets its original's). A satellite's weights come in at the leader and are broadcast.
+satellite's concatenation so that rank r adds rank r's part (a replica gets its original's). A
+satellite's weights come in at the leader and are broadcast.
 
 A follower that fails a call logs it and goes on: the ranks take the same inputs, so a failure
 the leader also sees (a refused gradient, non-finite values) is reported by the leader as any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from cellrunner.model import FlatWeights
+from cellrunner.model import FlatWeights, num_elements
 from cellrunner.spmd import (
     Command, CommandChannel, broadcast_flat, gather_flat, owner_slices, scatter_chunks,
 )
@@ -56,10 +57,10 @@ class LeaderTrainer:
         return self.trainer.model
 
     def start(self, weights: FlatWeights | None) -> None:
-        if weights is not None:
-            want = {s.name: tuple(s.shape) for s in self.trainer.specs}
-            if {s.name: tuple(s.shape) for s in weights.specs} != want:
-                raise ValueError("weights: manifest does not match this cell's model")
+        # The followers rebuild the weights on their own specs, so the layout must be the same
+        # (names, shapes and offsets), checked before anything is sent.
+        if weights is not None and spec_key(weights.specs) != spec_key(self.trainer.specs):
+            raise ValueError("weights: manifest does not match this cell's model")
         self.channel.send("start", weights_version=-1 if weights is None else weights.version)
         if weights is not None:
             data = broadcast_flat(weights.tensor(), weights.num_elements, self.trainer.device)
@@ -128,8 +129,8 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
     if cmd.op == "start":
         weights = None
         if a["weights_version"] >= 0:
-            numel = trainer.specs[-1].offset + int(np.prod(trainer.specs[-1].shape))
-            weights = FlatWeights(a["weights_version"], trainer.specs, broadcast_flat(None, numel, trainer.device))
+            data = broadcast_flat(None, num_elements(trainer.specs), trainer.device)
+            weights = FlatWeights(a["weights_version"], trainer.specs, data)
         trainer.start(weights)
     elif cmd.op == "stop":
         trainer.stop()
@@ -154,11 +155,15 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
         raise AssertionError(cmd.op)
 
 
+def spec_key(specs: Any) -> list[tuple[str, tuple[int, ...], int]]:
+    return [(s.name, tuple(s.shape), s.offset) for s in specs]
+
+
 def grad_layout(trainer: Any, channel: CommandChannel) -> tuple[list[int], list[tuple[int, int]]]:
     """Every rank's part in the cell's gradient vector (collective): what each sends, and where
     each rank's own buffer sits in the concatenation."""
-    keys = channel.sizes(trainer.grad_owner_key())
-    return owner_slices(keys, channel.sizes(trainer.grad_numel()))
+    keys = channel.gather_ints(trainer.grad_owner_key())
+    return owner_slices(keys, channel.gather_ints(trainer.grad_numel()))
 
 
 def take_grads_everywhere(trainer: Any, channel: CommandChannel) -> tuple[np.ndarray | None, list[int]]:

@@ -169,7 +169,7 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
     switches = ev.get("switch", [])
     work = run_dir / "work"
     logs = sorted(work.glob("s*-e*.log"))
-    think_lines = sum(1 for p in logs if p.read_text(errors="replace").startswith("harness: think "))
+    think = think_seconds(logs)
     return {
         "run_dir": str(run_dir),
         "train_s": step_t[-1] - t_start,
@@ -183,7 +183,7 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "max_staleness_seen": max(lags) if lags else None,
         "stale_calls": sum(1 for lag in lags if lag > staleness),
         "staleness_ok": bool(lags) and max(lags) <= staleness,
-        "think_time_applied": bool(logs) and think_lines == len(logs),
+        "think_time_applied": bool(logs) and len(think) == len(logs),
         "call_s": sorted(c.finished_at - c.started_at for c in calls),
         "first_call_s": first_call_seconds(calls),
         "to_train_s": [e["total_s"] for e in switches if e.get("role") == "train"],
@@ -194,19 +194,24 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "microsteps": len(ev.get("microstep", [])),
         "load_s": [e["load_s"] for e in ev.get("weights_loaded", [])],
         "shard_latency_s": [e["shard_latency_s"] for e in ev.get("group", []) if e.get("shard_latency_s") is not None],
-        "run_overhead_s": run_overheads(ev.get("execution", []), calls, logs),
+        "run_overhead_s": run_overheads(ev.get("execution", []), calls, think),
     }
 
 
-def run_overheads(executions: list[dict[str, Any]], calls: list[wire.CallRecord], logs: list[Path]) -> list[float]:
-    """Per finished training run: its wall time minus its think time minus its calls' latencies,
-    i.e. harness start-up, per-turn harness and proxy work, and the controller noticing the end.
-    The simulator's runs are only calls and think time, so this is the launch cost it is given."""
+def think_seconds(logs: list[Path]) -> dict[str, float]:
+    """Execution id -> the think time its harness applied (its log's ``harness: think <s>s ...`` line)."""
     think = {}
     for p in logs:
         words = p.read_text(errors="replace").split()
         if words[:2] == ["harness:", "think"]:
             think[p.stem] = float(words[2].rstrip("s"))
+    return think
+
+
+def run_overheads(executions: list[dict[str, Any]], calls: list[wire.CallRecord], think: dict[str, float]) -> list[float]:
+    """Per finished training run: its wall time minus its think time minus its calls' latencies,
+    i.e. harness start-up, per-turn harness and proxy work, and the controller noticing the end.
+    The simulator's runs are only calls and think time, so this is the launch cost it is given."""
     in_calls: dict[str, float] = {}
     for c in calls:
         in_calls[c.execution_id] = in_calls.get(c.execution_id, 0.0) + (c.finished_at - c.started_at)

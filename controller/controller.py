@@ -70,7 +70,8 @@ class Controller:
         self.cell_launcher: CellLauncher = (
             SlurmCells.from_env(cfg.cluster.num_cells, ranks_per_node=cfg.cluster.ranks_per_node,
                                 multi_rank=cfg.trainer.kind == "megatron", dist_port=cfg.cluster.dist_port)
-            if cfg.cluster.kind == "slurm" else LocalCells(cfg.cluster.ranks_per_node, cfg.cluster.dist_port, cfg.cluster.host))
+            if cfg.cluster.kind == "slurm"
+            else LocalCells(cfg.cluster.ranks_per_node, cfg.cluster.dist_port, cfg.cluster.host))
         self.host = resolve_host(cfg.cluster.host)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -94,6 +95,7 @@ class Controller:
         self.routed: tuple = ()
         self.planned_steps = 0
         self.replacements: dict[int, int] = {}
+        self.group_last_end: dict[str, float] = {}  # training group -> its latest run's end (monotonic)
         self.stage = "starting"  # starting -> eval_start -> train -> final -> eval_end -> done
         self.evals: list[EvalRound] = []
         self.step_rewards: list[tuple[int, float]] = []
@@ -354,11 +356,12 @@ class Controller:
     def on_group_done(self, ident: bytes, msg: wire.GroupDone) -> None:
         if not self._is_peer(ident, "processor"):
             return
-        ends = [ex.ended_at for ex in self.executions.executions.values() if ex.group_id == msg.group_id and ex.ended_at]
+        last_end = self.group_last_end.pop(msg.group_id, None)
         # From the group's last run ending to its shard reaching us: grading, tree building, packing
         # (what the simulator calls grade_s; bench.elastic measures it from these events).
         self.metrics.log("group", t=time.monotonic() - self.t0, step=msg.step, group=msg.group_id,
-                         num_usable=msg.num_usable, shard_latency_s=time.monotonic() - max(ends) if ends else None)
+                         num_usable=msg.num_usable,
+                         shard_latency_s=None if last_end is None else time.monotonic() - last_end)
         if self.steps.on_group_done(msg):
             self.num_groups_dropped += 1
             n = self.replacements.get(msg.step, 0)
@@ -450,6 +453,8 @@ class Controller:
     def on_execution_ended(self, ex: Execution) -> None:
         self.metrics.log("execution", t=time.monotonic() - self.t0, id=ex.execution_id, step=ex.step, train=ex.train,
                          outcome=ex.outcome, run_s=ex.ended_at - ex.started_at)
+        if ex.train:  # the processor answers a training group with GroupDone, which takes this out
+            self.group_last_end[ex.group_id] = max(ex.ended_at, self.group_last_end.get(ex.group_id, 0.0))
         self.send_to("processor", wire.Grade(
             execution_id=ex.execution_id, group_id=ex.group_id, step=ex.step, group_size=ex.group_size,
             outcome=ex.outcome, reward=ex.reward, train=ex.train,

@@ -87,7 +87,9 @@ def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):
         {"id": "eval-0", "train": False, "outcome": "finished", "run_s": 9.0},
     ]
     calls = [call("s0-g0-e0", 10.0, 10.5), call("s0-g0-e0", 20.0, 20.5), call("s0-g0-e1", 5.0, 5.25)]
-    assert elastic.run_overheads(executions, calls, logs) == [0.5, 1.5]
+    think = elastic.think_seconds(logs)
+    assert think == {"s0-g0-e0": 1.5, "s0-g0-e1": 0.25, "s0-g0-e2": 3.0}
+    assert elastic.run_overheads(executions, calls, think) == [0.5, 1.5]
     q = elastic.quantiles([3.0, -1.0, 1.0, 2.0], n=4)
     assert q[0] == 0.0 and q[-1] == 3.0 and q == sorted(q) and len(q) == 5  # negatives clip to 0
     draws = [simulate.draw([1.0, 2.0, 4.0], f"e{i}") for i in range(200)]

@@ -6,24 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from cellrunner.backends import CellRunnerConfig, check_ranks, make_engine, make_node_engine
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.engine_sglang import SGLangEngine, launch_command
 from cellrunner.ranks import rank_env, ranks_from_env
-from controller.config import build_config
 from controller.controller import cellrunner_config
 from controller.typed_config import build
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.controller.test_config import load
 
 
 def cell_cfg(tmp_path: Path, *overrides: str) -> CellRunnerConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        gyre = build_config(OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True))
-    return build(CellRunnerConfig, cellrunner_config(gyre, checkpoint_dir=tmp_path, log_dir=tmp_path))
+    return build(CellRunnerConfig, cellrunner_config(load(*overrides), checkpoint_dir=tmp_path, log_dir=tmp_path))
 
 
 def ranks(rank: int, world: int = 8, per_node: int = 4):

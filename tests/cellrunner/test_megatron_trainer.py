@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +32,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")  # noqa: E402
 
 from tests.cellrunner import megatron_cpu_shims  # noqa: E402
+from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
 
 megatron_cpu_shims.install()
 
@@ -335,26 +334,9 @@ def test_plain_adamw_on_megatron_ddp_does_not_train():
 # ---------------------------------------------------------------- world size 2, two processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_two_ranks_agree_and_train(tp):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(tp)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_ranks(__file__, ["--worker", str(tp)])
     r0, r1 = results
     for r in results:
         assert r["weights_equal_hf_init"], r

@@ -4,9 +4,6 @@ exactly (two real processes over gloo)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +16,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
 from cellrunner.spmd import COMMANDS, CommandError, decode_command, encode_command, owner_slices  # noqa: E402
+from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
 
 
 def test_every_command_round_trips():
@@ -56,30 +54,8 @@ def test_dp_replicas_send_their_gradient_once():
         owner_slices([0, 0], [4, 5])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_workers(world: int) -> list[dict]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
-
-
 def test_commands_and_tensors_cross_a_three_rank_cell():
-    results = run_workers(3)
+    results = run_ranks(__file__, ["--worker"], world=3, timeout=120)
     for r in results[1:]:
         assert r["commands"] == [["start", {"weights_version": 4}], ["apply", {"num_satellites": 2, "num_executions": 8}],
                                  ["exit", {}]]
@@ -122,7 +98,7 @@ def worker() -> None:
     out["weights_ok"] = bool(np.array_equal(got.numpy(), weights))
     local_size = 3 if rank == 1 else 5
     local = np.arange(100 * rank, 100 * rank + local_size, dtype=np.float32)
-    sizes = channel.sizes(local_size)
+    sizes = channel.gather_ints(local_size)
     full = gather_flat(local, sizes, cpu)
     if rank == 0:
         out["sizes"], out["gathered"] = sizes, full.tolist()

@@ -31,26 +31,12 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 
 pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")  # noqa: E402
 
-from tests.cellrunner.test_spmd import free_port  # noqa: E402
-
-import subprocess  # noqa: E402
+from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_a_two_rank_cell_steps_like_one_replica(tp, tmp_path):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(tp), str(tmp_path)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    lead, follower = results
+    lead, follower = run_ranks(__file__, ["--worker", str(tp), str(tmp_path)], timeout=300)
     assert follower == {"followed": 4}
     assert lead["grad_elements"] == sum(lead["rank_sizes"]) and len(lead["rank_sizes"]) == 2
     if tp == 2:  # two TP shards: both send

@@ -39,13 +39,15 @@ def cell_log(run_dir: Path, cell: int) -> str:
 @pytest.mark.e2e
 def test_two_rank_cells_train_checkpoint_and_resume(tmp_path):
     runs = tmp_path / "runs"
-    proc = start_gyre(runs, "run.steps=3", "run.run_id=job-7", *MEGATRON_TP2, env=SHIMS)
+    # colocate: every cell trains every step, so the satellite's ranks surely join (whether the
+    # water level lets a satellite train within 3 elastic steps depends on the machine's load).
+    proc = start_gyre(runs, "run.steps=3", "run.run_id=job-7", "scheduler=colocate", *MEGATRON_TP2, env=SHIMS)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     run_dir = runs / "job-7"
     steps = metrics(run_dir, "step")
     assert [s["weight_version"] for s in steps] == [1, 2, 3]
-    assert any(len(s["trainers"]) == 2 for s in steps), steps  # a satellite's ranks joined a step
+    assert all(sorted(s["trainers"]) == [0, 1] for s in steps), steps  # the satellite's ranks joined each step
     shards = sorted(p.name for p in (run_dir / "checkpoints/v3").iterdir())
     assert shards == ["checkpoint.json", "gyre_megatron.json", "tp00_pp00_ep00.safetensors",
                       "tp01_pp00_ep00.safetensors"]

@@ -8,6 +8,13 @@ a trace, killed at the timeout), the proxy (sticky least-loaded routing among th
 the execution's step may use (the floor in its token); a call whose cell leaves serving moves to another one and pays
 ``reroute_s``; with no such cell a call waits) and the processor (a group's shards come ``grade_s`` after its last run ends).
 
+``release="run"`` is a what-if, not the processor Gyre has: each run's share of its group's
+microsteps comes ``grade_s`` after *that run* ends. GSPO's loss is linear in the advantage, so a
+trainer could take a run's gradient at the step's weights once it is graded, keep sum(r_i g_i) and
+sum(g_i) per group, and scale them at group close by (r_i - mean) / std. That is exact only for
+sequences inside the clip band (the others' sign decides), so the figure is an upper bound on what
+such a processor buys.
+
 The loop around them mirrors ``controller/controller.py``: plan steps within the staleness bound,
 launch queued executions while the serving cells have room, apply ``decide``'s switches, hand
 microsteps to training cells holding the current version, apply on the core, publish the version
@@ -26,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -147,14 +155,25 @@ def scheduler_config(trace: Trace, kind: str) -> SchedulerConfig:
     return build(SchedulerConfig, raw)
 
 
-def simulate(trace: Trace, kind: str, *, seed: int = 0, runs: RunSource | None = None) -> SimResult:
+Release = Literal["group", "run"]
+"""When a group's shards reach the coordinator: all once its last run is graded (Gyre's processor),
+or each run's share once that run is (a what-if; see the module docstring)."""
+
+
+def simulate(trace: Trace, kind: str, *, seed: int = 0, runs: RunSource | None = None,
+             release: Release = "group") -> SimResult:
     """Run ``trace`` to its last step under policy ``kind``; ``runs`` replaces the trace's pool."""
-    sim = Simulation(trace, scheduler_config(trace, kind), runs or pool_source(trace, seed))
+    sim = Simulation(trace, scheduler_config(trace, kind), runs or pool_source(trace, seed), release=release)
     return sim.run()
 
 
 class Simulation:
-    def __init__(self, trace: Trace, cfg: SchedulerConfig, runs: RunSource):
+    def __init__(self, trace: Trace, cfg: SchedulerConfig, runs: RunSource, *, release: Release = "group"):
+        if release not in ("group", "run"):
+            raise ValueError(f"release={release!r}: 'group' or 'run'")
+        self.release = release
+        self.released: dict[str, float] = {}
+        """Group id -> microsteps already released by its graded runs (``release="run"``)."""
         self.trace = trace
         self.cc = trace.cells
         self.wl = trace.workload
@@ -461,6 +480,19 @@ class Simulation:
         group = self.groups[ex.group_id]
         if all(e.state == "ended" for e in group):
             self.at(self.wl.grade_s, self.group_ready, ex.group_id)
+        elif self.release == "run":
+            self.at(self.wl.grade_s, self.run_ready, ex.group_id, ex.step)
+
+    def run_ready(self, gid: str, step: int) -> None:
+        """What-if: one graded run releases its share of the group's microsteps (whole ones only)."""
+        if gid not in self.groups:
+            return
+        before = self.released.get(gid, 0.0)
+        after = before + self.wl.microsteps_per_group / self.wl.group_size
+        self.released[gid] = after
+        for k in range(int(before + EPS), min(int(after + EPS), self.wl.microsteps_per_group)):
+            self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=0, sequences=[]))
+            self.dirty = True
 
     def group_ready(self, gid: str) -> None:
         group = self.groups.pop(gid)
@@ -469,8 +501,9 @@ class Simulation:
         if versions:
             self.max_staleness = max(self.max_staleness, step - min(versions))
         n = self.wl.microsteps_per_group
-        for k in range(n):
-            self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=len(group) if k == 0 else 0,
+        first = min(int(self.released.pop(gid, 0.0) + EPS), n - 1)  # the last shard carries the group
+        for k in range(first, n):
+            self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=len(group) if k == first else 0,
                                       sequences=[]))
         self.steps.on_group_done(GroupDone(group_id=gid, step=step, num_usable=len(group), mean_reward=0.0))
         self.dirty = True

@@ -50,6 +50,23 @@ def test_timeout_cuts_a_run_and_the_group_waits_for_it():
     assert r.makespan_s == pytest.approx(5.0 + 0.25 + 0.5 + 3.0 + 0.5)  # cut at 5 s after launch
 
 
+def test_what_if_runs_release_their_microsteps_as_they_are_graded():
+    # release="run" (a what-if, not Gyre's processor): a short run (call 1, think 2) and a long one
+    # (think 20), a microstep each. The short one is graded at 0.5 + 3 + 0.25 = 3.75; the core
+    # trains its microstep (switch 0.5, 3 s) while the long run is served by cell 1. The long one
+    # is graded at 21.75 and its microstep on the training core ends 24.75; apply 0.5: 25.25.
+    def runs(execution_id: str, _step: int) -> tuple[float, ...]:
+        return (1.0, 2.0) if execution_id.endswith("e0") else (1.0, 20.0)
+
+    trace = tiny(workload=dataclasses.replace(tiny().workload, microsteps_per_group=2))
+    by_run = simulate(trace, "elastic", runs=runs, release="run")
+    assert by_run.makespan_s == pytest.approx(25.25)
+    by_group = simulate(trace, "elastic", runs=runs)  # both microsteps wait for the long run
+    assert by_group.makespan_s > by_run.makespan_s + 0.5
+    with pytest.raises(ValueError, match="release"):
+        simulate(trace, "elastic", release="shard")
+
+
 def test_calls_share_the_compute_slots_with_microsteps():
     # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 in.
     trace = tiny(cells=dataclasses.replace(tiny().cells, compute_slots=1))

@@ -232,14 +232,16 @@ class SlurmCells:
 
 # ==================================================================== step end
 
-def bind_config_to_node(config_path: str, cell_nodes: str) -> str:
-    """With ``host: auto`` the shared cellrunner config names no address: write this cell's copy
-    with the address of the node task 0 runs on, and return its path."""
+def bind_config_to_node(config_path: str, cell_nodes: str, rank: int = 0) -> str:
+    """With ``host: auto`` the shared cellrunner config names no address: write this task's copy
+    with the address of the node it runs on (every rank binds there: the leader its engine and
+    sockets, each core rank its gradient inbox), and return its path. One file per rank: tasks on
+    other nodes of the cell write theirs at the same moment, on a shared filesystem."""
     cfg = json.loads(Path(config_path).read_text())
     if cfg.get("host") != AUTO_HOST:
         return config_path
     cfg["host"] = resolve_host(AUTO_HOST)
-    path = Path(config_path).with_name(f"{Path(config_path).stem}.{cell_nodes.replace(',', '_')}.json")
+    path = Path(config_path).with_name(f"{Path(config_path).stem}.{cell_nodes.replace(',', '_')}.r{rank}.json")
     path.write_text(json.dumps(cfg, indent=1))
     return str(path)
 
@@ -283,7 +285,7 @@ def step_main(argv: list[str] | None = None) -> None:
     if "--config-json" in cell_args:
         i = cell_args.index("--config-json") + 1
         host = json.loads(Path(cell_args[i]).read_text()).get("host", AUTO_HOST)
-        cell_args[i] = bind_config_to_node(cell_args[i], args.cell_nodes)
+        cell_args[i] = bind_config_to_node(cell_args[i], args.cell_nodes, rank)
     if args.ranks > 1:
         try:
             master = host if host != AUTO_HOST else socket.gethostbyname(expected[0])

@@ -142,3 +142,24 @@ def test_local_sbatch_header_is_accepted_by_slurm(slurm_env):
     out = subprocess.run(["sbatch", "--test-only", str(ROOT / "slurm/gyre_local.sbatch")], cwd=ROOT,
                          env=slurm_env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "to start at" in out.stderr, out.stderr
+
+
+def test_each_rank_of_a_cell_binds_to_its_own_node(tmp_path, monkeypatch):
+    """``host: auto``: every task writes its own copy of the cell's config with its node's address
+    (each core rank binds a gradient inbox there); one shared copy would be rewritten by the tasks
+    of the cell's other nodes at the same moment."""
+    import json
+
+    from controller import slurm_launch
+
+    shared = tmp_path / "cellrunner.json"
+    shared.write_text(json.dumps({"host": slurm_launch.AUTO_HOST, "cell": 1}))
+    monkeypatch.setattr(slurm_launch, "resolve_host", lambda host: "10.0.0.1" if host == slurm_launch.AUTO_HOST else host)
+    first = slurm_launch.bind_config_to_node(str(shared), "n3,n4", 0)
+    monkeypatch.setattr(slurm_launch, "resolve_host", lambda host: "10.0.0.2" if host == slurm_launch.AUTO_HOST else host)
+    second = slurm_launch.bind_config_to_node(str(shared), "n3,n4", 1)
+    assert first != second
+    assert json.loads(Path(first).read_text()) == {"host": "10.0.0.1", "cell": 1}
+    assert json.loads(Path(second).read_text()) == {"host": "10.0.0.2", "cell": 1}
+    shared.write_text(json.dumps({"host": "127.0.0.1"}))  # a fixed address: the shared file as it is
+    assert slurm_launch.bind_config_to_node(str(shared), "n3,n4", 1) == str(shared)

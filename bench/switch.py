@@ -123,7 +123,7 @@ def run_cycles(cells: Cells, cycles: int) -> list[wire.RoleSwitched]:
 
     def switch(cell_id: int, role: wire.Role) -> None:
         msg = wire.SwitchRole(cell_id=cell_id, role=role, weight_version=version,
-                              core_weights_addr=core.weights_addr, core_grads_addr=core.grads_addr)
+                              core_weights_addr=core.weights_addr, core_grads_addrs=core.grads_addrs)
         switches.append(cells.ask(cell_id, msg, wire.RoleSwitched))
 
     for c in range(cycles):

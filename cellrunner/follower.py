@@ -22,8 +22,11 @@ import signal
 import threading
 from typing import Any
 
+import zmq
+
 from cellrunner.backends import make_node_engine, make_trainer
 from cellrunner.ranks import CellRanks
+from cellrunner.grads import GradExchange
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import follow
 
@@ -64,15 +67,20 @@ def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int) -> N
     engine = make_node_engine(cfg, vocab_size, cell_id, ranks)
     done = threading.Event()
     stop_on_signal(lambda: engine.stop() if engine is not None else None, done)
-    trainer = make_trainer(cfg, vocab_size, is_core=cell_id == cfg.core_cell)
+    is_core = cell_id == cfg.core_cell
+    trainer = make_trainer(cfg, vocab_size, is_core=is_core)
     channel = CommandChannel()
+    # The core's ranks each take their peers' gradients; the leader tells the controller where.
+    exchange = GradExchange(zmq.Context.instance(), cfg.host, ranks.rank, is_core)
+    channel.gather_strings(exchange.addr)
     if engine is not None:
         engine.start()
     log.info("cell %d: rank %d of %d (node %d, local rank %d) follows rank 0", cell_id, ranks.rank,
              ranks.world_size, ranks.node_rank, ranks.local_rank)
     try:
-        follow(trainer, channel)
+        follow(trainer, channel, exchange)
     finally:
+        exchange.close()
         done.set()
         if engine is not None:
             engine.stop()

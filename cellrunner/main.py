@@ -4,8 +4,9 @@ The cellrunner never decides its role. It obeys SwitchRole / LoadWeights / RunMi
 SendGrads / ApplyStep from the controller (ZeroMQ DEALER -> the controller's ROUTER), times every
 phase of a switch, and sends heartbeats. The core cell also owns the authoritative weights and
 optimizer state (its trainer's replica lives across switches), serves them to other cells, and
-takes the satellites' gradient sums on a PULL socket. Weights move over ZeroMQ or the Mooncake
-Transfer Engine (``transfer``); gradients always over ZeroMQ.
+takes the satellites' gradient sums, each of its ranks on its own PULL socket from the same rank of
+every satellite (``cellrunner.grads``). Weights move over ZeroMQ or the Mooncake Transfer Engine
+(``transfer``); gradients always over ZeroMQ.
 
 A cell may span several processes (``cluster.ranks_per_node``, Megatron: one per GPU). Rank 0 is
 this CellRunner, the cell's leader; the other ranks run ``cellrunner.follower`` and mirror its
@@ -33,11 +34,12 @@ from cellrunner.backends import (
     CellRunnerConfig, check_ranks, make_engine, make_trainer, make_weight_publisher, make_weight_puller,
 )
 from cellrunner.errors import BackendUnavailable
+from cellrunner.grads import GradExchange, solo
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import LeaderTrainer
-from cellrunner.transfer import WeightPublisher, WeightPuller, recv_grads, send_grads
+from cellrunner.transfer import WeightPublisher, WeightPuller
 from controller import wire
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
@@ -61,16 +63,18 @@ class CellRunner:
         tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
         self.vocab_size = tok.vocab_size
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
+        self.grads = GradExchange(self.ctx, cfg.host, ranks.rank, self.is_core)
+        inboxes = [self.grads.addr]
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
             self.trainer = LeaderTrainer(self.trainer, CommandChannel())
+            inboxes = self.trainer.channel.gather_strings(self.grads.addr)
+        self.core_grads_addrs = inboxes if self.is_core else []
+        """The core's ranks' gradient inboxes (ours on the core; the controller's word elsewhere)."""
         self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks)
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
-        self.core_grads_addr = ""
         self.weight_server: WeightPublisher | None = None
         self.weight_puller: WeightPuller | None = None
-        self.grads_in: zmq.Socket | None = None
-        self.pending_grads: dict[int, list] = {}
         self.running = True
 
     # -- setup -----------------------------------------------------------------------------
@@ -87,11 +91,7 @@ class CellRunner:
             self.weight_server = make_weight_publisher(self.cfg, self.ctx)
             self.weight_server.publish(self.trainer.weights())
             self.weight_server.start()
-            self.grads_in = self.ctx.socket(zmq.PULL)
-            self.grads_in.setsockopt(zmq.LINGER, 0)
-            self.grads_in.bind(f"tcp://{self.cfg.host}:0")
             self.core_weights_addr = self.weight_server.addr
-            self.core_grads_addr = self.grads_in.getsockopt_string(zmq.LAST_ENDPOINT)
             initial = self.trainer.weights()
         else:
             self.weight_puller = make_weight_puller(self.cfg, self.ctx)
@@ -101,7 +101,7 @@ class CellRunner:
         self.phase = "serving"
         self.send(wire.CellReady(
             cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
-            grads_addr=self.core_grads_addr, is_core=self.is_core, weight_version=initial.version,
+            grads_addrs=self.core_grads_addrs, is_core=self.is_core, weight_version=initial.version,
         ))
 
     # -- loop --------------------------------------------------------------------------------
@@ -110,8 +110,6 @@ class CellRunner:
         self.setup()
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
-        if self.grads_in is not None:
-            poller.register(self.grads_in, zmq.POLLIN)
         next_beat = 0.0
         while self.running:
             now = time.monotonic()
@@ -119,8 +117,6 @@ class CellRunner:
                 self.heartbeat()
                 next_beat = now + self.cfg.heartbeat_interval_s
             events = dict(poller.poll(int(self.cfg.heartbeat_interval_s * 1000)))
-            if self.grads_in is not None and self.grads_in in events:
-                self.take_grads_frame()
             if self.ctl in events:
                 self.handle(self.ctl.recv())
         self.shutdown()
@@ -158,7 +154,7 @@ class CellRunner:
 
     def on_switch_role(self, msg: wire.SwitchRole) -> None:
         self.core_weights_addr = msg.core_weights_addr or self.core_weights_addr
-        self.core_grads_addr = msg.core_grads_addr or self.core_grads_addr
+        self.core_grads_addrs = msg.core_grads_addrs or self.core_grads_addrs
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if msg.role == "train":
@@ -221,26 +217,22 @@ class CellRunner:
 
     def on_send_grads(self, msg: wire.SendGrads) -> None:
         n = self.trainer.num_microsteps
-        grads = self.trainer.take_grads()
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 5000)
-        push.connect(self.core_grads_addr)
-        send_grads(push, cell_id=self.cell_id, step=msg.step, grads=grads)
-        push.close()  # linger flushes the frame before the socket goes
+        if isinstance(self.trainer, LeaderTrainer):
+            self.trainer.send_grads(self.grads, self.core_grads_addrs, cell_id=self.cell_id, step=msg.step)
+        else:
+            self.grads.send(self.trainer, self.core_grads_addrs, cell_id=self.cell_id, step=msg.step, agree=solo)
         self.send(wire.GradsSent(cell_id=self.cell_id, step=msg.step, num_shards=n))
 
     def on_apply_step(self, msg: wire.ApplyStep) -> None:
         if not self.is_core or self.phase != "training":
             raise RuntimeError("apply_step needs the core cell in training")
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.cfg.transfer_timeout_s
-        while len(self.pending_grads.get(msg.step, [])) < msg.num_satellite_grads:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"step {msg.step}: only {len(self.pending_grads.get(msg.step, []))} of {msg.num_satellite_grads} satellite gradients arrived")
-            if self.grads_in.poll(100):
-                self.take_grads_frame()
-        grads = self.pending_grads.pop(msg.step, [])
-        weights, norm = self.trainer.apply(grads, msg.num_executions)
+        how = dict(step=msg.step, num_satellites=msg.num_satellite_grads, num_executions=msg.num_executions,
+                   timeout_s=self.cfg.transfer_timeout_s)
+        if isinstance(self.trainer, LeaderTrainer):
+            weights, norm = self.trainer.apply_grads(self.grads, **how)
+        else:
+            weights, norm = self.grads.apply(self.trainer, **how, agree=solo)
         self.weight_server.publish(weights)
         if msg.checkpoint:
             log.info("core: checkpoint %s", self.trainer.save_checkpoint(self.cfg.checkpoint_dir))
@@ -253,15 +245,6 @@ class CellRunner:
         self.running = False
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def take_grads_frame(self) -> None:
-        parts = self.grads_in.recv_multipart()
-        try:
-            header, grads = recv_grads(parts)
-        except wire.ProtocolError as exc:
-            log.error("core: rejected gradient frame: %s", exc)
-            return
-        self.pending_grads.setdefault(header.step, []).append(grads)
 
     def fetch_weights(self, version: int) -> FlatWeights:
         assert self.weight_puller is not None, "only satellites pull weights"
@@ -292,6 +275,7 @@ class CellRunner:
             self.weight_server.close()
         if self.weight_puller is not None:
             self.weight_puller.close()
+        self.grads.close()
         self.ctl.close(linger=500)
 
 

@@ -469,14 +469,6 @@ class MegatronTrainer:
             self._set_adam_state(tensors)
         self.version = version
 
-    def grad_owner_key(self) -> int:
-        """Ranks of a cell with the same key hold the same flat gradient after the cell's own
-        reductions: the DP replicas of one model-parallel rank. With expert parallelism the experts
-        are split over DP ranks, so every rank's buffer is its own (a key of its own)."""
-        if self.cfg.expert_model_parallel_size > 1:
-            return -1 - dist.get_rank()
-        return parallel_state.get_pipeline_model_parallel_rank() * self.tp_size + self.tp_rank
-
     def grad_numel(self) -> int:
         """Elements of this rank's flat gradient (``take_grads``' length)."""
         assert self.model is not None

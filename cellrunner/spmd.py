@@ -7,12 +7,9 @@ a gloo group of the cell, and the followers decode and check it like any frame o
 Nothing here pickles: ``broadcast_object_list`` and friends would.
 
 Bulk tensors use the cell's default group on the trainer's device (NCCL on GPUs, gloo on CPU):
-the weights a satellite pulled reach every rank by one broadcast; a satellite's gradient is the
-flat DDP buffers of its ranks gathered on the leader and concatenated in rank order, each buffer
-once (DP replicas hold the same reduced gradient, so only the first of them sends); the core
-scatters each satellite's concatenation back, so rank r adds what rank r (or its replica) of the
-satellite computed (cells share one training layout, so rank r's buffer means the same thing in
-every cell).
+the weights a satellite pulled reach every rank by one broadcast. Gradients between cells do not
+pass through the leader at all: each rank sends its own to its peer rank of the core
+(``cellrunner.grads``); here the ranks only agree that every one of them is ready.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,8 +31,10 @@ COMMANDS: dict[str, dict[str, type]] = {
     "stop": {},
     "weights": {},
     "microstep": {"shard": bytes},  # wire.encode(shard)
-    "take_grads": {},
-    "apply": {"num_satellites": int, "num_executions": int},
+    # rank r pushes its gradient to addrs[r], the core's rank r (cellrunner.grads)
+    "send_grads": {"step": int, "cell_id": int, "addrs": list},
+    # every rank takes num_satellites gradients of step from its own inbox, then all apply or none
+    "apply": {"step": int, "num_satellites": int, "num_executions": int, "timeout_s": float},
     "save_checkpoint": {"directory": str},
     "restore": {"path": str, "version": int},
     "exit": {},
@@ -80,8 +78,12 @@ def check_command(op: str, args: dict[str, Any]) -> None:
         raise CommandError(f"{op}: want arguments {sorted(want)}, got {sorted(map(str, args))}")
     for name, kind in want.items():
         value = args[name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = args[name] = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise CommandError(f"{op}.{name}: want {kind.__name__}, got {type(value).__name__}")
+        if kind is list and not all(isinstance(v, str) for v in value):
+            raise CommandError(f"{op}.{name}: want a list of strings")
 
 
 class CommandChannel:
@@ -107,11 +109,21 @@ class CommandChannel:
         dist.broadcast(buf, src=0, group=self.group)
         return decode_command(buf.numpy().tobytes())
 
-    def flag(self, ok: bool | None = None) -> bool:
-        """The leader's yes/no (``ok``), as every rank sees it: a refused command stops everywhere."""
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
-        return bool(t.item())
+    def all_ok(self, ok: bool) -> list[int]:
+        """Collective: the ranks whose ``ok`` was False (none: every rank may go on)."""
+        return [r for r, v in enumerate(self.gather_ints(1 if ok else 0)) if not v]
+
+    def gather_strings(self, local: str) -> list[str]:
+        """Every rank's ``local`` string, in rank order, on every rank."""
+        data = local.encode()
+        sizes = self.gather_ints(len(data))
+        width = max(max(sizes), 1)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
+        dist.all_gather(parts, mine, group=self.group)
+        return [p[:n].numpy().tobytes().decode() for p, n in zip(parts, sizes)]
 
     def gather_ints(self, local: int) -> list[int]:
         """Every rank's ``local`` integer, in rank order, on every rank."""
@@ -129,51 +141,3 @@ def broadcast_flat(data: torch.Tensor | None, numel: int, device: torch.device) 
         buf = torch.empty(numel, dtype=torch.float32, device=device)
     dist.broadcast(buf, src=0)
     return buf
-
-
-def gather_flat(local: np.ndarray, sizes: list[int], device: torch.device) -> np.ndarray | None:
-    """Every rank's float32 vector (``sizes`` in rank order), concatenated on rank 0; None elsewhere."""
-    width = max(sizes)
-    mine = torch.zeros(width, dtype=torch.float32, device=device)
-    mine[: local.size] = torch.from_numpy(local).to(device)
-    if dist.get_rank() == 0:
-        parts = [torch.empty(width, dtype=torch.float32, device=device) for _ in sizes]
-        dist.gather(mine, parts, dst=0)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu().numpy()
-    dist.gather(mine, None, dst=0)
-    return None
-
-
-def scatter_chunks(chunks: list[np.ndarray] | None, sizes: list[int], device: torch.device) -> np.ndarray:
-    """Rank r gets ``chunks[r]`` (of ``sizes[r]`` elements); ``chunks`` is given on rank 0, None elsewhere."""
-    width, rank = max(max(sizes), 1), dist.get_rank()
-    mine = torch.empty(width, dtype=torch.float32, device=device)
-    if rank == 0:
-        assert chunks is not None and [c.size for c in chunks] == sizes
-        parts = []
-        for c in chunks:
-            part = torch.zeros(width, dtype=torch.float32, device=device)
-            part[: c.size] = torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32)).to(device)
-            parts.append(part)
-        dist.scatter(mine, parts, src=0)
-    else:
-        dist.scatter(mine, None, src=0)
-    return mine[: sizes[rank]].cpu().numpy()
-
-
-def owner_slices(keys: list[int], sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Ranks whose buffers are copies of another's (equal ``keys``: DP replicas of one
-    model-parallel rank) send nothing. Returns what each rank sends (its size, or 0) and, for every
-    rank, the (offset, size) of its buffer in the concatenation of what was sent."""
-    first = {}
-    for r, k in enumerate(keys):
-        first.setdefault(k, r)
-    sent = [n if first[k] == r else 0 for r, (k, n) in enumerate(zip(keys, sizes))]
-    offsets = np.concatenate([[0], np.cumsum(sent)]).tolist()
-    where = []
-    for r, k in enumerate(keys):
-        owner = first[k]
-        if sizes[owner] != sizes[r]:
-            raise ValueError(f"ranks {owner} and {r} share a gradient key but not a size ({sizes[owner]} vs {sizes[r]})")
-        where.append((int(offsets[owner]), sizes[r]))
-    return sent, where

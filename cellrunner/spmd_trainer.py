@@ -5,9 +5,9 @@
 the local call, which the followers make too. ``follow`` is ranks 1..n-1's whole life: receive a
 command, make the same call, until ``exit``.
 
-Gradients leave and enter a cell through its leader: ``take_grads`` returns the ranks' buffers
-concatenated in rank order, DP replicas' identical copies left out, and ``apply`` scatters each
-satellite's concatenation so that rank r adds rank r's part (a replica gets its original's). A
+Gradients do not pass through the leader: ``send_grads`` has every rank push its own buffer to
+its peer rank of the core, and ``apply_grads`` has every core rank take its peers' from its own
+inbox, agree with the others that all are there and fit, and apply (``cellrunner.grads``). A
 satellite's weights come in at the leader and are broadcast.
 
 A follower that fails a call logs it and goes on: the ranks take the same inputs, so a failure
@@ -23,13 +23,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 
+from cellrunner.grads import GradExchange
 from cellrunner.model import FlatWeights, num_elements
-from cellrunner.spmd import (
-    Command, CommandChannel, broadcast_flat, gather_flat, owner_slices, scatter_chunks,
-)
+from cellrunner.spmd import Command, CommandChannel, broadcast_flat
 from cellrunner.trainer import MicrostepResult
 from controller import wire
 from controller.checkpoints import Checkpoint
@@ -40,8 +38,6 @@ log = logging.getLogger(__name__)
 class LeaderTrainer:
     def __init__(self, trainer: Any, channel: CommandChannel):
         self.trainer, self.channel = trainer, channel
-        self.rank_sizes: list[int] = []
-        """Each rank's share of the last ``take_grads``, in rank order."""
 
     # what the cellrunner reads
     @property
@@ -79,25 +75,25 @@ class LeaderTrainer:
         self.channel.send("microstep", shard=wire.encode(shard))
         return self.trainer.microstep(shard)
 
-    def take_grads(self) -> np.ndarray:
-        self.channel.send("take_grads")
-        full, self.rank_sizes = take_grads_everywhere(self.trainer, self.channel)
-        assert full is not None
-        return full
+    def grad_numel(self) -> int:
+        return self.trainer.grad_numel()
 
-    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
-        self.channel.send("apply", num_satellites=len(satellite_grads), num_executions=num_executions)
-        sent, where = grad_layout(self.trainer, self.channel)
-        bad = [g.size for g in satellite_grads if g.shape != (sum(sent),)]
-        # Checked before anything moves: a refused step leaves every rank's gradients as they were.
-        if not self.channel.flag(not bad):
-            raise ValueError(f"satellite gradient has {bad[0]} elements, want {sum(sent)} (sent by this cell's ranks: {sent})")
-        mine = []
-        for g in satellite_grads:
-            g = np.ascontiguousarray(g, dtype=np.float32)
-            chunks = [g[off: off + n] for off, n in where]
-            mine.append(scatter_chunks(chunks, [n for _, n in where], self.trainer.device))
-        return self.trainer.apply(mine, num_executions)
+    def send_grads(self, exchange: GradExchange, addrs: list[str], *, cell_id: int, step: int) -> None:
+        """Every rank sends its gradient to ``addrs[rank]`` (the core's ranks, in rank order)."""
+        world = dist.get_world_size()
+        if len(addrs) != world:
+            raise ValueError(f"the core has {len(addrs)} gradient inboxes, this cell {world} ranks: layouts differ")
+        self.channel.send("send_grads", step=step, cell_id=cell_id, addrs=list(addrs))
+        exchange.send(self.trainer, addrs, cell_id=cell_id, step=step, agree=self.channel.all_ok)
+
+    def apply_grads(self, exchange: GradExchange, *, step: int, num_satellites: int, num_executions: int,
+                    timeout_s: float) -> tuple[FlatWeights, float]:
+        self.channel.send("apply", step=step, num_satellites=num_satellites, num_executions=num_executions,
+                          timeout_s=float(timeout_s))
+        out = exchange.apply(self.trainer, step=step, num_satellites=num_satellites, num_executions=num_executions,
+                             timeout_s=timeout_s, agree=self.channel.all_ok)
+        assert out is not None
+        return out
 
     def save_checkpoint(self, directory: str) -> str:
         self.channel.send("save_checkpoint", directory=str(directory))
@@ -112,19 +108,19 @@ class LeaderTrainer:
         self.channel.send("exit")
 
 
-def follow(trainer: Any, channel: CommandChannel) -> None:
+def follow(trainer: Any, channel: CommandChannel, exchange: GradExchange) -> None:
     """A follower rank: mirror the leader's calls until it says ``exit``."""
     while True:
         cmd = channel.recv()
         if cmd.op == "exit":
             return
         try:
-            run_command(trainer, channel, cmd)
+            run_command(trainer, channel, exchange, cmd)
         except Exception:  # the leader sees the same failure and reports it
             log.exception("follower: %s failed", cmd.op)
 
 
-def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
+def run_command(trainer: Any, channel: CommandChannel, exchange: GradExchange, cmd: Command) -> None:
     a = cmd.args
     if cmd.op == "start":
         weights = None
@@ -139,14 +135,11 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
     elif cmd.op == "microstep":
         shard = wire.decode(a["shard"], expect=(wire.Shard,))
         trainer.microstep(shard)
-    elif cmd.op == "take_grads":
-        take_grads_everywhere(trainer, channel)
+    elif cmd.op == "send_grads":
+        exchange.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
     elif cmd.op == "apply":
-        _, where = grad_layout(trainer, channel)
-        if not channel.flag():
-            return
-        mine = [scatter_chunks(None, [n for _, n in where], trainer.device) for _ in range(a["num_satellites"])]
-        trainer.apply(mine, a["num_executions"])
+        exchange.apply(trainer, step=a["step"], num_satellites=a["num_satellites"],
+                       num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
     elif cmd.op == "save_checkpoint":
         trainer.save_checkpoint(a["directory"])
     elif cmd.op == "restore":
@@ -157,18 +150,3 @@ def run_command(trainer: Any, channel: CommandChannel, cmd: Command) -> None:
 
 def spec_key(specs: Any) -> list[tuple[str, tuple[int, ...], int]]:
     return [(s.name, tuple(s.shape), s.offset) for s in specs]
-
-
-def grad_layout(trainer: Any, channel: CommandChannel) -> tuple[list[int], list[tuple[int, int]]]:
-    """Every rank's part in the cell's gradient vector (collective): what each sends, and where
-    each rank's own buffer sits in the concatenation."""
-    keys = channel.gather_ints(trainer.grad_owner_key())
-    return owner_slices(keys, channel.gather_ints(trainer.grad_numel()))
-
-
-def take_grads_everywhere(trainer: Any, channel: CommandChannel) -> tuple[np.ndarray | None, list[int]]:
-    """Collective: the cell's gradient on the leader (None elsewhere), and what each rank sent."""
-    local = trainer.take_grads()
-    sent, _ = grad_layout(trainer, channel)
-    mine = local if sent[dist.get_rank()] else local[:0]
-    return gather_flat(mine, sent, trainer.device), sent

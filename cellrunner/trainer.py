@@ -162,6 +162,11 @@ class EmbeddedTrainer:
         self.num_microsteps = 0
         return flat
 
+    def grad_numel(self) -> int:
+        """Elements of the flat gradient (``take_grads``' length)."""
+        assert self.model is not None
+        return sum(p.numel() for p in self.model.parameters())
+
     def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
         """Core only: combine gradients, mean over executions, clip, AdamW step -> next version."""
         assert self.is_core and self.model is not None and self.optimizer is not None

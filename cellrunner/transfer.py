@@ -138,13 +138,13 @@ class ZmqWeightPuller:
         pass
 
 
-def send_grads(sock: zmq.Socket, *, cell_id: int, step: int, grads: np.ndarray) -> None:
-    header = GradsHeader(cell_id=cell_id, step=step, num_elements=int(grads.size))
+def send_grads(sock: zmq.Socket, *, cell_id: int, step: int, grads: np.ndarray, rank: int = 0) -> None:
+    header = GradsHeader(cell_id=cell_id, step=step, rank=rank, num_elements=int(grads.size))
     sock.send_multipart([encode(header), memoryview(np.ascontiguousarray(grads, dtype="<f4"))], copy=False)
 
 
 def recv_grads(parts: list[bytes]) -> tuple[GradsHeader, np.ndarray]:
-    """Validate one gradient frame from the core's PULL socket; ProtocolError if malformed."""
+    """Validate one gradient frame from a core rank's PULL socket; ProtocolError if malformed."""
     if len(parts) != 2:
         raise ProtocolError("grads: want [header, payload]")
     header = decode(parts[0], expect=(GradsHeader,))

@@ -29,7 +29,8 @@ class Cell:
     proc: subprocess.Popen | None = None
     engine_url: str = ""
     weights_addr: str = ""
-    grads_addr: str = ""
+    grads_addrs: list[str] = field(default_factory=list)
+    """The core's ranks' gradient inboxes, in rank order."""
     phase: CellPhase = "starting"
     weight_version: int = 0
     num_running: int = 0

@@ -282,7 +282,7 @@ class Controller:
         cell = self._cell(ident, msg.cell_id)
         if cell is None or cell.phase != "starting":
             return
-        cell.engine_url, cell.weights_addr, cell.grads_addr = msg.engine_url, msg.weights_addr, msg.grads_addr
+        cell.engine_url, cell.weights_addr, cell.grads_addrs = msg.engine_url, msg.weights_addr, msg.grads_addrs
         cell.weight_version = msg.weight_version
         now = time.monotonic()
         cell.last_seen = now
@@ -499,7 +499,7 @@ class Controller:
             cell.set_phase("draining" if sw.role == "train" else "to_serve", now)
             self.send_to(f"cell-{cell.cell_id}", wire.SwitchRole(
                 cell_id=cell.cell_id, role=sw.role, weight_version=self.steps.version,
-                core_weights_addr=self.core_addr(), core_grads_addr=self.cells.core.grads_addr,
+                core_weights_addr=self.core_addr(), core_grads_addrs=self.cells.core.grads_addrs,
             ))
         self.push_routing()
 

@@ -45,6 +45,12 @@ def _non_negative(**values: float) -> None:
             raise ValueError(f"{name}: want >= 0, got {value!r}")
 
 
+def _addresses(name: str, addrs: list[str]) -> None:
+    for i, a in enumerate(addrs):
+        if not a.startswith("tcp://"):
+            raise ValueError(f"{name}[{i}]: want a tcp:// address, got {a!r}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Message:
     TAG: ClassVar[str] = ""
@@ -74,13 +80,17 @@ class CellReady(Message):
     cell_id: int
     engine_url: str
     weights_addr: str
-    grads_addr: str
+    grads_addrs: list[str]
+    """The core's ranks' gradient inboxes, in rank order (``cellrunner.grads``); [] elsewhere."""
     is_core: bool
     weight_version: int = 0
     """The version the cell starts with: 0, or the checkpoint's the controller resumed the core from."""
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
+        _addresses("grads_addrs", self.grads_addrs)
+        if self.is_core and not self.grads_addrs:
+            raise ValueError("grads_addrs: the core names one inbox per rank, got none")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,7 +180,11 @@ class SwitchRole(Message):
     role: Role
     weight_version: int
     core_weights_addr: str
-    core_grads_addr: str
+    core_grads_addrs: list[str]
+    """The core's ranks' gradient inboxes, in rank order: rank r of a satellite sends to the r-th."""
+
+    def check(self) -> None:
+        _addresses("core_grads_addrs", self.core_grads_addrs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -415,6 +429,11 @@ class GradsHeader(Message):
     cell_id: int
     step: int
     num_elements: int
+    rank: int = 0
+    """The sending rank of the satellite; it goes to the same rank of the core."""
+
+    def check(self) -> None:
+        _non_negative(cell_id=self.cell_id, step=self.step, num_elements=self.num_elements, rank=self.rank)
 
 
 # ---------------------------------------------------------------- Mooncake weight pull (cellrunner.transfer_mooncake)

@@ -12,7 +12,11 @@ from cellrunner.config import (
     EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
 from cellrunner.engine import EmbeddedEngine
+from cellrunner.grads import GradExchange
+from cellrunner.rank_weights import RankWeights
 from cellrunner.ranks import CellRanks
+from cellrunner.spmd import CommandChannel
+from cellrunner.spmd_trainer import RankLinks
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
@@ -107,3 +111,13 @@ def make_weight_puller(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPuller:
         m = cfg.mooncake
         return MooncakeWeightPuller(ctx, host=cfg.host, protocol=m.protocol, device_name=m.device_name, memory=m.memory)
     return ZmqWeightPuller(ctx)
+
+
+def make_rank_links(cfg: CellRunnerConfig, ctx: zmq.Context, ranks: CellRanks, is_core: bool,
+                    channel: CommandChannel) -> tuple[RankLinks, list[str], list[str]]:
+    """Collective, every rank of a multi-rank cell: this rank's gradient inbox (core) and own-shard
+    publisher (core) or puller (satellite), and every rank's addresses of both, in rank order."""
+    grads = GradExchange(ctx, cfg.host, ranks.rank, is_core)
+    weights = RankWeights(rank=ranks.rank, publisher=make_weight_publisher(cfg, ctx) if is_core else None,
+                          puller=None if is_core else make_weight_puller(cfg, ctx))
+    return RankLinks(grads, weights), channel.gather_strings(grads.addr), channel.gather_strings(weights.addr)

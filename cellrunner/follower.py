@@ -24,9 +24,8 @@ from typing import Any
 
 import zmq
 
-from cellrunner.backends import make_node_engine, make_trainer
+from cellrunner.backends import make_node_engine, make_rank_links, make_trainer
 from cellrunner.ranks import CellRanks
-from cellrunner.grads import GradExchange
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import follow
 
@@ -70,17 +69,17 @@ def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int) -> N
     is_core = cell_id == cfg.core_cell
     trainer = make_trainer(cfg, vocab_size, is_core=is_core)
     channel = CommandChannel()
-    # The core's ranks each take their peers' gradients; the leader tells the controller where.
-    exchange = GradExchange(zmq.Context.instance(), cfg.host, ranks.rank, is_core)
-    channel.gather_strings(exchange.addr)
+    # The core's ranks each take their peers' gradients and publish their own shards; the
+    # leader tells the controller where (the same collective calls as its own).
+    links, _, _ = make_rank_links(cfg, zmq.Context.instance(), ranks, is_core, channel)
     if engine is not None:
         engine.start()
     log.info("cell %d: rank %d of %d (node %d, local rank %d) follows rank 0", cell_id, ranks.rank,
              ranks.world_size, ranks.node_rank, ranks.local_rank)
     try:
-        follow(trainer, channel, exchange)
+        follow(trainer, channel, links)
     finally:
-        exchange.close()
+        links.close()
         done.set()
         if engine is not None:
             engine.stop()

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import zmq
 
+from cellrunner.spmd import Agree
 from cellrunner.transfer import recv_grads, send_grads
 from controller.wire import ProtocolError
 
@@ -98,15 +98,6 @@ def send_to_peer(ctx: zmq.Context, addr: str, *, cell_id: int, step: int, rank: 
         send_grads(push, cell_id=cell_id, step=step, rank=rank, grads=grads)
     finally:
         push.close()
-
-
-Agree = Callable[[bool], list[int]]
-"""Collective over a cell's ranks: given this rank's ok, the ranks that were not ok."""
-
-
-def solo(ok: bool) -> list[int]:
-    """``Agree`` for a single-rank cell."""
-    return [] if ok else [0]
 
 
 class GradExchange:

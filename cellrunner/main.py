@@ -31,13 +31,14 @@ import torch
 import zmq
 
 from cellrunner.backends import (
-    CellRunnerConfig, check_ranks, make_engine, make_trainer, make_weight_publisher, make_weight_puller,
+    CellRunnerConfig, check_ranks, make_engine, make_rank_links, make_trainer, make_weight_publisher,
+    make_weight_puller,
 )
 from cellrunner.errors import BackendUnavailable
-from cellrunner.grads import GradExchange, solo
+from cellrunner.grads import GradExchange
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.ranks import CellRanks, ranks_from_env
-from cellrunner.spmd import CommandChannel
+from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
 from controller import wire
@@ -63,13 +64,18 @@ class CellRunner:
         tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
         self.vocab_size = tok.vocab_size
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
-        self.grads = GradExchange(self.ctx, cfg.host, ranks.rank, self.is_core)
-        inboxes = [self.grads.addr]
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
-            self.trainer = LeaderTrainer(self.trainer, CommandChannel())
-            inboxes = self.trainer.channel.gather_strings(self.grads.addr)
+            channel = CommandChannel()
+            links, inboxes, shards = make_rank_links(cfg, self.ctx, ranks, self.is_core, channel)
+            self.trainer = LeaderTrainer(self.trainer, channel, links)
+            self.grads = links.grads
+        else:
+            self.grads = GradExchange(self.ctx, cfg.host, ranks.rank, self.is_core)
+            inboxes, shards = [self.grads.addr], []
         self.core_grads_addrs = inboxes if self.is_core else []
         """The core's ranks' gradient inboxes (ours on the core; the controller's word elsewhere)."""
+        self.core_rank_weights_addrs = shards if self.is_core else []
+        """A multi-rank core's ranks' own shards, which a multi-rank satellite pulls to train."""
         self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks)
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
@@ -102,6 +108,7 @@ class CellRunner:
         self.send(wire.CellReady(
             cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
             grads_addrs=self.core_grads_addrs, is_core=self.is_core, weight_version=initial.version,
+            rank_weights_addrs=self.core_rank_weights_addrs,
         ))
 
     # -- loop --------------------------------------------------------------------------------
@@ -155,6 +162,7 @@ class CellRunner:
     def on_switch_role(self, msg: wire.SwitchRole) -> None:
         self.core_weights_addr = msg.core_weights_addr or self.core_weights_addr
         self.core_grads_addrs = msg.core_grads_addrs or self.core_grads_addrs
+        self.core_rank_weights_addrs = msg.core_rank_weights_addrs or self.core_rank_weights_addrs
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         if msg.role == "train":
@@ -166,11 +174,18 @@ class CellRunner:
             self.engine.release()
             phases["release"] = time.perf_counter() - t1
             t2 = time.perf_counter()
-            weights = None if self.is_core else self.fetch_weights(msg.weight_version)
-            phases["pull"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            self.trainer.start(weights)
-            phases["start_trainer"] = time.perf_counter() - t3
+            if self.is_core:
+                phases["pull"] = 0.0
+                self.trainer.start(None)
+            elif self.pulls_rank_shards():  # pull and start in one, each rank from its peer
+                self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=msg.weight_version,
+                                              timeout_s=self.cfg.transfer_timeout_s)
+                phases["pull"] = time.perf_counter() - t2
+            else:
+                weights = self.fetch_weights(msg.weight_version)
+                phases["pull"] = time.perf_counter() - t2
+                self.trainer.start(weights)
+            phases["start_trainer"] = time.perf_counter() - t2 - phases["pull"]
             self.phase = "training"
             log.info("cell %d: serve -> train in %.3fs (aborted %d calls)", self.cell_id, time.perf_counter() - t0, aborted)
         else:
@@ -199,7 +214,11 @@ class CellRunner:
         elif self.phase == "training" and not self.is_core:
             if self.trainer.num_microsteps:
                 raise RuntimeError("load_weights while holding unsent gradients")
-            self.trainer.start(self.fetch_weights(msg.weight_version))
+            if self.pulls_rank_shards():
+                self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=msg.weight_version,
+                                              timeout_s=self.cfg.transfer_timeout_s)
+            else:
+                self.trainer.start(self.fetch_weights(msg.weight_version))
         # the core's trainer replica is the authority: nothing to load
         self.send(wire.WeightsLoaded(cell_id=self.cell_id, weight_version=self.current_version(), load_s=time.perf_counter() - t0))
 
@@ -218,7 +237,7 @@ class CellRunner:
     def on_send_grads(self, msg: wire.SendGrads) -> None:
         n = self.trainer.num_microsteps
         if isinstance(self.trainer, LeaderTrainer):
-            self.trainer.send_grads(self.grads, self.core_grads_addrs, cell_id=self.cell_id, step=msg.step)
+            self.trainer.send_grads(self.core_grads_addrs, cell_id=self.cell_id, step=msg.step)
         else:
             self.grads.send(self.trainer, self.core_grads_addrs, cell_id=self.cell_id, step=msg.step, agree=solo)
         self.send(wire.GradsSent(cell_id=self.cell_id, step=msg.step, num_shards=n))
@@ -230,7 +249,7 @@ class CellRunner:
         how = dict(step=msg.step, num_satellites=msg.num_satellite_grads, num_executions=msg.num_executions,
                    timeout_s=self.cfg.transfer_timeout_s)
         if isinstance(self.trainer, LeaderTrainer):
-            weights, norm = self.trainer.apply_grads(self.grads, **how)
+            weights, norm = self.trainer.apply_grads(**how)
         else:
             weights, norm = self.grads.apply(self.trainer, **how, agree=solo)
         self.weight_server.publish(weights)
@@ -245,6 +264,10 @@ class CellRunner:
         self.running = False
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def pulls_rank_shards(self) -> bool:
+        """A multi-rank satellite trains on its peers' shards of the core, not the whole model."""
+        return isinstance(self.trainer, LeaderTrainer)
 
     def fetch_weights(self, version: int) -> FlatWeights:
         assert self.weight_puller is not None, "only satellites pull weights"
@@ -270,12 +293,14 @@ class CellRunner:
             log.info("core: saved weights and optimizer state of version %d to %s", self.trainer.version, path)
         if isinstance(self.trainer, LeaderTrainer):
             self.trainer.close()
+            self.trainer.links.close()
+        else:
+            self.grads.close()
         self.engine.stop()
         if self.weight_server is not None:
             self.weight_server.close()
         if self.weight_puller is not None:
             self.weight_puller.close()
-        self.grads.close()
         self.ctl.close(linger=500)
 
 

@@ -331,6 +331,40 @@ class MegatronTrainer:
             dist.all_reduce(flat, group=parallel_state.get_pipeline_model_parallel_group())
         return FlatWeights(self.version, self.specs, flat.cpu().numpy())
 
+    def local_weights(self) -> FlatWeights:
+        """This rank's own parameters, float32, in the Megatron layout (global names): what the
+        same rank of another cell with this layout loads with ``start_local``."""
+        assert self.model is not None, "local_weights() before start()"
+        params = self._named_params()
+        specs, offset = [], 0
+        for name, p in params.items():
+            specs.append(TensorSpec(name=name, shape=list(p.shape), offset=offset))
+            offset += p.numel()
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()]) if params else torch.zeros(0)
+        return FlatWeights(self.version, tuple(specs), flat.numpy())
+
+    def start_local(self, weights: FlatWeights) -> None:
+        """``start`` from the same rank's ``local_weights`` of another cell (no HF conversion, no
+        gather): the layouts must match name for name."""
+        if self.model is None:
+            self._build()
+        elif self._offloaded:
+            self._restore()
+        params = self._named_params()
+        want = [(n, tuple(p.shape)) for n, p in params.items()]
+        if [(s.name, tuple(s.shape)) for s in weights.specs] != want:
+            raise ValueError("weights: this rank's manifest does not match the sender's (different layouts)")
+        data = weights.tensor()
+        with torch.no_grad():
+            for spec, p in zip(weights.specs, params.values()):
+                p.copy_(data[spec.offset : spec.offset + p.numel()].view(p.shape).to(p.device, p.dtype))
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+        self.version = weights.version
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.num_microsteps = 0
+
     # -- work ----------------------------------------------------------------------------------
 
     def microstep(self, shard: Shard) -> MicrostepResult:

@@ -1,4 +1,4 @@
-"""Inside a multi-rank cell: the leader's commands to its followers, and the tensors they share.
+"""Inside a multi-rank cell: the leader's commands to its followers, and the small collectives they share.
 
 Megatron is SPMD: every rank of a cell must make the same trainer call with the same arguments.
 Only the leader (rank 0) hears the controller, so before each call it broadcasts a *command*: an
@@ -6,14 +6,14 @@ operation name and its arguments as MessagePack bytes (a shard travels as its wi
 a gloo group of the cell, and the followers decode and check it like any frame off a wire.
 Nothing here pickles: ``broadcast_object_list`` and friends would.
 
-Bulk tensors use the cell's default group on the trainer's device (NCCL on GPUs, gloo on CPU):
-the weights a satellite pulled reach every rank by one broadcast. Gradients between cells do not
-pass through the leader at all: each rank sends its own to its peer rank of the core
-(``cellrunner.grads``); here the ranks only agree that every one of them is ready.
+Bulk tensors never pass through here or through the leader: each rank sends its gradient to,
+and a satellite's rank pulls its weights from, the same rank of the core (``cellrunner.grads``,
+``cellrunner.rank_weights``); here the ranks only agree that every one of them is done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ MAX_COMMAND_BYTES = wire.MAX_FRAME_BYTES
 
 # op -> its arguments and their types; a command with any other shape is refused
 COMMANDS: dict[str, dict[str, type]] = {
-    "start": {"weights_version": int},  # -1: no weights (build / bring back); else a broadcast follows
+    "start": {},  # build the replica or bring the core's back
     "stop": {},
     "weights": {},
     "microstep": {"shard": bytes},  # wire.encode(shard)
@@ -35,10 +35,21 @@ COMMANDS: dict[str, dict[str, type]] = {
     "send_grads": {"step": int, "cell_id": int, "addrs": list},
     # every rank takes num_satellites gradients of step from its own inbox, then all apply or none
     "apply": {"step": int, "num_satellites": int, "num_executions": int, "timeout_s": float},
+    # a satellite's rank r pulls addrs[r]'s shard, the core's rank r (cellrunner.rank_weights)
+    "start_peers": {"min_version": int, "addrs": list, "timeout_s": float},
     "save_checkpoint": {"directory": str},
     "restore": {"path": str, "version": int},
     "exit": {},
 }
+
+
+Agree = Callable[[bool], list[int]]
+"""Collective over a cell's ranks: given this rank's ok, the ranks that were not ok
+(``CommandChannel.all_ok``; ``solo`` for a single-rank cell)."""
+
+
+def solo(ok: bool) -> list[int]:
+    return [] if ok else [0]
 
 
 class CommandError(ValueError):
@@ -130,14 +141,3 @@ class CommandChannel:
         parts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, torch.tensor([local], dtype=torch.int64), group=self.group)
         return [int(p.item()) for p in parts]
-
-
-def broadcast_flat(data: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
-    """Rank 0's float32 vector on every rank (``data`` on rank 0, None elsewhere)."""
-    if dist.get_rank() == 0:
-        assert data is not None and data.numel() == numel
-        buf = data.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-    else:
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
-    dist.broadcast(buf, src=0)
-    return buf

@@ -7,8 +7,10 @@ command, make the same call, until ``exit``.
 
 Gradients do not pass through the leader: ``send_grads`` has every rank push its own buffer to
 its peer rank of the core, and ``apply_grads`` has every core rank take its peers' from its own
-inbox, agree with the others that all are there and fit, and apply (``cellrunner.grads``). A
-satellite's weights come in at the leader and are broadcast.
+inbox, agree with the others that all are there and fit, and apply (``cellrunner.grads``).
+Weights to train on go the same way: every core rank publishes its own shard after each start,
+restore and apply, and ``start_from_peers`` has rank r of a satellite pull the core's rank r
+(``cellrunner.rank_weights``). Only the HF-layout weights for serving leave through the leader.
 
 A follower that fails a call logs it and goes on: the ranks take the same inputs, so a failure
 the leader also sees (a refused gradient, non-finite values) is reported by the leader as any
@@ -20,14 +22,16 @@ the leader then stops heartbeating and the controller drops the cell (and srun's
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from cellrunner.grads import GradExchange
-from cellrunner.model import FlatWeights, num_elements
-from cellrunner.spmd import Command, CommandChannel, broadcast_flat
+from cellrunner.model import FlatWeights
+from cellrunner.rank_weights import RankWeights
+from cellrunner.spmd import Command, CommandChannel
 from cellrunner.trainer import MicrostepResult
 from controller import wire
 from controller.checkpoints import Checkpoint
@@ -35,9 +39,21 @@ from controller.checkpoints import Checkpoint
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RankLinks:
+    """What one rank of a multi-rank cell exchanges with the same rank of other cells."""
+
+    grads: GradExchange
+    weights: RankWeights
+
+    def close(self) -> None:
+        self.grads.close()
+        self.weights.close()
+
+
 class LeaderTrainer:
-    def __init__(self, trainer: Any, channel: CommandChannel):
-        self.trainer, self.channel = trainer, channel
+    def __init__(self, trainer: Any, channel: CommandChannel, links: RankLinks):
+        self.trainer, self.channel, self.links = trainer, channel, links
 
     # what the cellrunner reads
     @property
@@ -53,15 +69,23 @@ class LeaderTrainer:
         return self.trainer.model
 
     def start(self, weights: FlatWeights | None) -> None:
-        # The followers rebuild the weights on their own specs, so the layout must be the same
-        # (names, shapes and offsets), checked before anything is sent.
-        if weights is not None and spec_key(weights.specs) != spec_key(self.trainer.specs):
-            raise ValueError("weights: manifest does not match this cell's model")
-        self.channel.send("start", weights_version=-1 if weights is None else weights.version)
+        """Build the replica, or bring the core's back. A multi-rank satellite never loads the
+        whole model: it starts from its peers' shards (``start_from_peers``)."""
         if weights is not None:
-            data = broadcast_flat(weights.tensor(), weights.num_elements, self.trainer.device)
-            weights = FlatWeights(weights.version, self.trainer.specs, data)
-        self.trainer.start(weights)
+            raise ValueError("a multi-rank cell starts from its peers' shards (start_from_peers), not whole weights")
+        self.channel.send("start")
+        self.trainer.start(None)
+        if self.trainer.is_core:
+            self.links.weights.publish(self.trainer)
+
+    def start_from_peers(self, addrs: list[str], *, min_version: int, timeout_s: float) -> int:
+        """Satellite: every rank loads its peer's shard of the core (``cellrunner.rank_weights``);
+        returns the version loaded."""
+        if len(addrs) != dist.get_world_size():
+            raise ValueError(f"the core publishes {len(addrs)} rank shards, this cell has {dist.get_world_size()} ranks")
+        self.channel.send("start_peers", min_version=min_version, addrs=list(addrs), timeout_s=float(timeout_s))
+        return self.links.weights.start(self.trainer, addrs, min_version=min_version, timeout_s=timeout_s,
+                                        agree=self.channel.all_ok, versions=self.channel.gather_ints)
 
     def stop(self) -> None:
         self.channel.send("stop")
@@ -78,21 +102,22 @@ class LeaderTrainer:
     def grad_numel(self) -> int:
         return self.trainer.grad_numel()
 
-    def send_grads(self, exchange: GradExchange, addrs: list[str], *, cell_id: int, step: int) -> None:
+    def send_grads(self, addrs: list[str], *, cell_id: int, step: int) -> None:
         """Every rank sends its gradient to ``addrs[rank]`` (the core's ranks, in rank order)."""
         world = dist.get_world_size()
         if len(addrs) != world:
             raise ValueError(f"the core has {len(addrs)} gradient inboxes, this cell {world} ranks: layouts differ")
         self.channel.send("send_grads", step=step, cell_id=cell_id, addrs=list(addrs))
-        exchange.send(self.trainer, addrs, cell_id=cell_id, step=step, agree=self.channel.all_ok)
+        self.links.grads.send(self.trainer, addrs, cell_id=cell_id, step=step, agree=self.channel.all_ok)
 
-    def apply_grads(self, exchange: GradExchange, *, step: int, num_satellites: int, num_executions: int,
+    def apply_grads(self, *, step: int, num_satellites: int, num_executions: int,
                     timeout_s: float) -> tuple[FlatWeights, float]:
         self.channel.send("apply", step=step, num_satellites=num_satellites, num_executions=num_executions,
                           timeout_s=float(timeout_s))
-        out = exchange.apply(self.trainer, step=step, num_satellites=num_satellites, num_executions=num_executions,
+        out = self.links.grads.apply(self.trainer, step=step, num_satellites=num_satellites, num_executions=num_executions,
                              timeout_s=timeout_s, agree=self.channel.all_ok)
         assert out is not None
+        self.links.weights.publish(self.trainer)
         return out
 
     def save_checkpoint(self, directory: str) -> str:
@@ -102,32 +127,34 @@ class LeaderTrainer:
     def restore(self, ckpt: Checkpoint) -> None:
         self.channel.send("restore", path=str(ckpt.path), version=ckpt.version)
         self.trainer.restore(ckpt)
+        self.links.weights.publish(self.trainer)
 
     def close(self) -> None:
         """Let the followers go (they exit their loop)."""
         self.channel.send("exit")
 
 
-def follow(trainer: Any, channel: CommandChannel, exchange: GradExchange) -> None:
+def follow(trainer: Any, channel: CommandChannel, links: RankLinks) -> None:
     """A follower rank: mirror the leader's calls until it says ``exit``."""
     while True:
         cmd = channel.recv()
         if cmd.op == "exit":
             return
         try:
-            run_command(trainer, channel, exchange, cmd)
+            run_command(trainer, channel, links, cmd)
         except Exception:  # the leader sees the same failure and reports it
             log.exception("follower: %s failed", cmd.op)
 
 
-def run_command(trainer: Any, channel: CommandChannel, exchange: GradExchange, cmd: Command) -> None:
+def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Command) -> None:
     a = cmd.args
     if cmd.op == "start":
-        weights = None
-        if a["weights_version"] >= 0:
-            data = broadcast_flat(None, num_elements(trainer.specs), trainer.device)
-            weights = FlatWeights(a["weights_version"], trainer.specs, data)
-        trainer.start(weights)
+        trainer.start(None)
+        if trainer.is_core:
+            links.weights.publish(trainer)
+    elif cmd.op == "start_peers":
+        links.weights.start(trainer, a["addrs"], min_version=a["min_version"], timeout_s=a["timeout_s"],
+                            agree=channel.all_ok, versions=channel.gather_ints)
     elif cmd.op == "stop":
         trainer.stop()
     elif cmd.op == "weights":
@@ -136,17 +163,15 @@ def run_command(trainer: Any, channel: CommandChannel, exchange: GradExchange, c
         shard = wire.decode(a["shard"], expect=(wire.Shard,))
         trainer.microstep(shard)
     elif cmd.op == "send_grads":
-        exchange.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
+        links.grads.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
     elif cmd.op == "apply":
-        exchange.apply(trainer, step=a["step"], num_satellites=a["num_satellites"],
-                       num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
+        links.grads.apply(trainer, step=a["step"], num_satellites=a["num_satellites"],
+                          num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
+        links.weights.publish(trainer)
     elif cmd.op == "save_checkpoint":
         trainer.save_checkpoint(a["directory"])
     elif cmd.op == "restore":
         trainer.restore(Checkpoint(a["version"], Path(a["path"])))
+        links.weights.publish(trainer)
     else:  # decode_command admits only COMMANDS
         raise AssertionError(cmd.op)
-
-
-def spec_key(specs: Any) -> list[tuple[str, tuple[int, ...], int]]:
-    return [(s.name, tuple(s.shape), s.offset) for s in specs]

@@ -30,6 +30,7 @@ class Cell:
     engine_url: str = ""
     weights_addr: str = ""
     grads_addrs: list[str] = field(default_factory=list)
+    rank_weights_addrs: list[str] = field(default_factory=list)
     """The core's ranks' gradient inboxes, in rank order."""
     phase: CellPhase = "starting"
     weight_version: int = 0

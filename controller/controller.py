@@ -283,6 +283,7 @@ class Controller:
         if cell is None or cell.phase != "starting":
             return
         cell.engine_url, cell.weights_addr, cell.grads_addrs = msg.engine_url, msg.weights_addr, msg.grads_addrs
+        cell.rank_weights_addrs = msg.rank_weights_addrs
         cell.weight_version = msg.weight_version
         now = time.monotonic()
         cell.last_seen = now
@@ -500,6 +501,7 @@ class Controller:
             self.send_to(f"cell-{cell.cell_id}", wire.SwitchRole(
                 cell_id=cell.cell_id, role=sw.role, weight_version=self.steps.version,
                 core_weights_addr=self.core_addr(), core_grads_addrs=self.cells.core.grads_addrs,
+                core_rank_weights_addrs=self.cells.core.rank_weights_addrs,
             ))
         self.push_routing()
 

@@ -83,12 +83,15 @@ class CellReady(Message):
     grads_addrs: list[str]
     """The core's ranks' gradient inboxes, in rank order (``cellrunner.grads``); [] elsewhere."""
     is_core: bool
+    rank_weights_addrs: list[str] = field(default_factory=list)
+    """A multi-rank core's ranks' own-shard publishers, in rank order (``cellrunner.rank_weights``)."""
     weight_version: int = 0
     """The version the cell starts with: 0, or the checkpoint's the controller resumed the core from."""
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
         _addresses("grads_addrs", self.grads_addrs)
+        _addresses("rank_weights_addrs", self.rank_weights_addrs)
         if self.is_core and not self.grads_addrs:
             raise ValueError("grads_addrs: the core names one inbox per rank, got none")
 
@@ -182,9 +185,12 @@ class SwitchRole(Message):
     core_weights_addr: str
     core_grads_addrs: list[str]
     """The core's ranks' gradient inboxes, in rank order: rank r of a satellite sends to the r-th."""
+    core_rank_weights_addrs: list[str] = field(default_factory=list)
+    """A multi-rank core's ranks' own shards, in rank order: rank r of a satellite pulls the r-th."""
 
     def check(self) -> None:
         _addresses("core_grads_addrs", self.core_grads_addrs)
+        _addresses("core_rank_weights_addrs", self.core_rank_weights_addrs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,18 +1,22 @@
-"""A multi-rank Megatron cell: the leader's calls reach its follower, and gradients cross cells
-rank to rank (two real processes, TP=2 or DP=2, gloo on CPU, real ZeroMQ between ranks).
+"""A multi-rank Megatron cell: the leader's calls reach its follower, and weights and gradients
+cross cells rank to rank (two real processes, TP=2 or DP=2, gloo on CPU, real ZeroMQ between ranks).
 
-In one process group, four trainers in turn, each driven by a ``LeaderTrainer`` on rank 0 while
-rank 1 runs ``follow``; each rank has a core inbox (``cellrunner.grads``) whose addresses the
-ranks gather first, as a core cell's ranks do:
+In one process group, six trainers in turn, each driven by a ``LeaderTrainer`` on rank 0 while
+rank 1 runs ``follow``. Each rank has a core side (gradient inbox, own-shard publisher) and a
+satellite side (own-shard puller), whose addresses the ranks gather first, as cells do:
 
-1. a satellite starts from weights the leader broadcasts, takes shard A, and each rank sends its
-   gradient to its peer rank's inbox;
-2. a core takes shard B; a step whose gradient reached rank 1 but not rank 0 is refused on both
-   (and the cell stays usable); then it applies the satellite's, and checkpoints;
-3. a core that takes A and B itself: its step must equal 2's to float rounding (Adam's first
-   step moves each weight by about 3 x lr, so a misrouted rank or a bad weight broadcast would be
-   off by ~1e-2; rounding of near-zero gradients gives ~1e-6);
-4. a core restored from 2's checkpoint holds 2's weights.
+1. a core starts (version 0) and each rank publishes its own shard;
+2. a satellite starts from its peers' shards, takes shard A, and each rank sends its gradient
+   to its peer rank's inbox;
+3. a core takes shard B; a step whose gradient reached rank 1 but not rank 0 is refused on both
+   (and the cell stays usable); then it applies the satellite's, publishes version 1 and
+   checkpoints;
+4. a satellite asking for a version nobody has is refused on every rank and drops its replica;
+   then it starts from version 1's shards and holds exactly the core's weights;
+5. a core that takes A and B itself: its step must equal 3's to float rounding (Adam's first
+   step moves each weight by about 3 x lr, so a misrouted rank would be off by ~1e-2; rounding
+   of near-zero gradients gives ~1e-6);
+6. a core restored from 3's checkpoint holds 3's weights.
 
 megatron-core needs the CPU shims of ``megatron_cpu_shims`` (test support, never production).
 """
@@ -38,11 +42,15 @@ from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
 def test_a_two_rank_cell_steps_like_one_replica(tp, tmp_path):
     lead, follower = run_ranks(__file__, ["--worker", str(tp), str(tmp_path)], timeout=300)
-    assert follower["followed"] == 4
+    assert follower["followed"] == 6
     for r in (lead, follower):
         assert len(set(r["inboxes"])) == 2 and all(a.startswith("tcp://127.0.0.1:") for a in r["inboxes"])
+        assert len(set(r["shards"])) == 2 and all(a.startswith("tcp://127.0.0.1:") for a in r["shards"])
     assert follower["kept_on_rank_1"] == 1  # the refused step's gradient waits there, not lost
     assert lead["refused"] and "refused on ranks [0]" in lead["refused"]
+    assert lead["satellite_versions"] == [0, 1]
+    assert "could not load weights" in lead["too_new"] and lead["dropped_after_refusal"]
+    assert lead["satellite_holds_core_weights"]
     assert lead["versions"] == [1, 1, 1]
     assert lead["norm"] == pytest.approx(lead["norm_ref"], rel=1e-6) and lead["norm"] > 0
     assert lead["step_equals_one_replica"], lead["max_diff"]
@@ -63,9 +71,10 @@ def worker(tp: int, ckpt_dir: str) -> None:
     megatron_cpu_shims.install()
     from cellrunner.grads import GradExchange, send_to_peer
     from cellrunner.megatron_trainer import MegatronTrainer
-    from cellrunner.model import build_model, flatten_params
+    from cellrunner.rank_weights import RankWeights
     from cellrunner.spmd import CommandChannel
-    from cellrunner.spmd_trainer import LeaderTrainer, follow
+    from cellrunner.spmd_trainer import LeaderTrainer, RankLinks, follow
+    from cellrunner.transfer import WeightServer, ZmqWeightPuller
     from controller.checkpoints import Checkpoint
     from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg
 
@@ -76,33 +85,42 @@ def worker(tp: int, ckpt_dir: str) -> None:
     rank = int(os.environ["RANK"])
     leader = rank == 0
     ctx = zmq.Context.instance()
-    core_side = GradExchange(ctx, "127.0.0.1", rank, is_core=True)
-    sat_side = GradExchange(ctx, "127.0.0.1", rank, is_core=False)
+    core_links = RankLinks(GradExchange(ctx, "127.0.0.1", rank, is_core=True),
+                           RankWeights(rank=rank, publisher=WeightServer(ctx, "tcp://127.0.0.1:0")))
+    sat_links = RankLinks(GradExchange(ctx, "127.0.0.1", rank, is_core=False),
+                          RankWeights(rank=rank, puller=ZmqWeightPuller(ctx)))
     out: dict = {}
 
     def cell(is_core: bool):
         trainer = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=is_core, megatron=megatron_cfg(tp))
         channel = CommandChannel()
-        if not out:
-            out["inboxes"] = channel.gather_strings(core_side.addr)
+        if not out:  # as a core cell's ranks do at start-up
+            out["inboxes"] = channel.gather_strings(core_links.grads.addr)
+            out["shards"] = channel.gather_strings(core_links.weights.addr)
+        links = core_links if is_core else sat_links
         if leader:
-            return LeaderTrainer(trainer, channel)
-        follow(trainer, channel, core_side if is_core else sat_side)
+            return LeaderTrainer(trainer, channel, links)
+        follow(trainer, channel, links)
         return None
 
+    cells = (True, False, True, False, True, True)
     if not leader:
-        for is_core in (False, True, True, True):
+        for is_core in cells:
             cell(is_core)
-        out["followed"] = 4
-        out["kept_on_rank_1"] = core_side.inbox.count(9)
+        out["followed"] = len(cells)
+        out["kept_on_rank_1"] = core_links.grads.inbox.count(9)
         print(json.dumps(out), flush=True)
         return
 
+    first = cell(True)
+    first.start(None)  # version 0: every rank publishes its own shard
+    first.close()
+    inboxes, shards = out["inboxes"], out["shards"]
+
     sat = cell(False)
-    addrs = out["inboxes"]
-    sat.start(flatten_params(build_model(cfg, VOCAB), 0))  # version 0, broadcast to rank 1
+    versions = [sat.start_from_peers(shards, min_version=0, timeout_s=30.0)]
     sat.microstep(a)
-    sat.send_grads(sat_side, addrs, cell_id=1, step=0)
+    sat.send_grads(inboxes, cell_id=1, step=0)
     sat.stop()
     sat.close()
 
@@ -111,20 +129,32 @@ def worker(tp: int, ckpt_dir: str) -> None:
     before = core.weights()
     core.microstep(b)
     # Step 9's gradient reaches rank 1 only: rank 0 times out, so neither rank applies.
-    send_to_peer(ctx, addrs[1], cell_id=1, step=9, rank=1, grads=np.zeros(core.grad_numel(), dtype=np.float32))
+    send_to_peer(ctx, inboxes[1], cell_id=1, step=9, rank=1, grads=np.zeros(core.grad_numel(), dtype=np.float32))
     try:
-        core.apply_grads(core_side, step=9, num_satellites=1, num_executions=n, timeout_s=1.0)
+        core.apply_grads(step=9, num_satellites=1, num_executions=n, timeout_s=1.0)
     except ValueError as exc:
         out["refused"] = str(exc)
-    w1, out["norm"] = core.apply_grads(core_side, step=0, num_satellites=1, num_executions=n, timeout_s=60.0)
+    w1, out["norm"] = core.apply_grads(step=0, num_satellites=1, num_executions=n, timeout_s=60.0)
     path = core.save_checkpoint(ckpt_dir)
     core.close()
+
+    sat = cell(False)
+    try:
+        sat.start_from_peers(shards, min_version=5, timeout_s=1.0)
+    except RuntimeError as exc:
+        out["too_new"] = str(exc)
+        out["dropped_after_refusal"] = sat.model is None
+    versions.append(sat.start_from_peers(shards, min_version=1, timeout_s=30.0))
+    out["satellite_holds_core_weights"] = bool(np.array_equal(sat.weights().data, w1.data))
+    out["satellite_versions"] = versions
+    sat.stop()
+    sat.close()
 
     ref = cell(True)
     ref.start(None)
     ref.microstep(a)
     ref.microstep(b)
-    w_ref, out["norm_ref"] = ref.apply_grads(core_side, step=0, num_satellites=0, num_executions=n, timeout_s=1.0)
+    w_ref, out["norm_ref"] = ref.apply_grads(step=0, num_satellites=0, num_executions=n, timeout_s=1.0)
     ref.close()
 
     restored = cell(True)

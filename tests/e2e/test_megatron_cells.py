@@ -55,6 +55,8 @@ def test_two_rank_cells_train_checkpoint_and_resume(tmp_path):
         log = cell_log(run_dir, cell)
         assert f"cell {cell}: rank 1 of 2 (node 0, local rank 1) follows rank 0" in log
         assert f"cell {cell}: rank 1: the leader said exit" in log  # not killed: it waited for the leader
+    for rank in (0, 1):  # the satellite's ranks trained on their peers' shards, not the whole model
+        assert f"rank {rank}: started on version 2 from the core's rank {rank}" in cell_log(run_dir, 1)
         assert "Traceback" not in log, log[-3000:]
 
     # Requeued: the same run id asks for one more step; every rank of the core loads version 3.

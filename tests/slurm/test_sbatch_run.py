@@ -223,6 +223,9 @@ def test_megatron_cells_run_their_ranks_across_nodes(slurm_env, tmp_path):
             assert f"task {rank} on {node} of step {job}." in cell_log and f"runs rank {rank} of 4" in cell_log
             assert f"cell {cell}: rank {rank} done" in cell_log
         assert f"cell {cell}: rank 3 of 4 (node 1, local rank 1) follows rank 0" in cell_log
+        if cell == 1:  # each satellite rank trained on its peer's shard of the core, across nodes
+            for rank in range(4):
+                assert f"rank {rank}: started on version 1 from the core's rank {rank}" in cell_log
     shards = sorted(p.name for p in (run_dir / f"checkpoints/v{steps}").iterdir())
     assert shards == ["checkpoint.json", "gyre_megatron.json", "tp00_pp00_ep00.safetensors",
                       "tp01_pp00_ep00.safetensors"]

@@ -13,6 +13,7 @@ megatron-core needs the CPU shims: ``tests/support/megatron_cpu`` puts them into
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ MEGATRON_TP2 = ["trainer=megatron", "trainer.tensor_model_parallel_size=2", "tra
                 "trainer.offload_when_serving=false", "cluster.ranks_per_node=2", "cluster.num_cells=2",
                 "algo.tree_packing=false", "run.eval_at_start=false", "run.eval_at_end=false",
                 "run.checkpoint_every=1"]
+COLOCATE = ["scheduler=colocate", "workload.groups_per_step=8", "workload.group_size=4"]
 
 
 def cell_log(run_dir: Path, cell: int) -> str:
@@ -39,15 +41,16 @@ def cell_log(run_dir: Path, cell: int) -> str:
 @pytest.mark.e2e
 def test_two_rank_cells_train_checkpoint_and_resume(tmp_path):
     runs = tmp_path / "runs"
-    # colocate: every cell trains every step, so the satellite's ranks surely join (whether the
-    # water level lets a satellite train within 3 elastic steps depends on the machine's load).
-    proc = start_gyre(runs, "run.steps=3", "run.run_id=job-7", "scheduler=colocate", *MEGATRON_TP2, env=SHIMS)
+    # colocate: every cell turns to training every step (under elastic, whether a satellite trains
+    # within a few steps depends on the machine's load). Whether the satellite then gets one of
+    # the step's shards before the core has taken them all is still a race, so a step has 8
+    # shards (8 groups of 4) and the check below is over all four steps of both runs.
+    proc = start_gyre(runs, "run.steps=3", "run.run_id=job-7", *COLOCATE, *MEGATRON_TP2, env=SHIMS)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     run_dir = runs / "job-7"
     steps = metrics(run_dir, "step")
     assert [s["weight_version"] for s in steps] == [1, 2, 3]
-    assert all(sorted(s["trainers"]) == [0, 1] for s in steps), steps  # the satellite's ranks joined each step
     shards = sorted(p.name for p in (run_dir / "checkpoints/v3").iterdir())
     assert shards == ["checkpoint.json", "gyre_megatron.json", "tp00_pp00_ep00.safetensors",
                       "tp01_pp00_ep00.safetensors"]
@@ -55,15 +58,17 @@ def test_two_rank_cells_train_checkpoint_and_resume(tmp_path):
         log = cell_log(run_dir, cell)
         assert f"cell {cell}: rank 1 of 2 (node 0, local rank 1) follows rank 0" in log
         assert f"cell {cell}: rank 1: the leader said exit" in log  # not killed: it waited for the leader
-    for rank in (0, 1):  # the satellite's ranks trained on their peers' shards, not the whole model
-        assert f"rank {rank}: started on version 2 from the core's rank {rank}" in cell_log(run_dir, 1)
+    for rank in (0, 1):  # the satellite's ranks trained on their peers' shards of the core
+        assert re.search(f"rank {rank}: started on version \\d+ from the core's rank {rank} ", cell_log(run_dir, 1))
         assert "Traceback" not in log, log[-3000:]
 
     # Requeued: the same run id asks for one more step; every rank of the core loads version 3.
-    proc = start_gyre(runs, "run.steps=4", "run.run_id=job-7", *MEGATRON_TP2, env=SHIMS)
+    proc = start_gyre(runs, "run.steps=4", "run.run_id=job-7", *COLOCATE, *MEGATRON_TP2, env=SHIMS)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
-    assert [s["weight_version"] for s in metrics(run_dir, "step")] == [1, 2, 3, 4]
+    steps = metrics(run_dir, "step")
+    assert [s["weight_version"] for s in steps] == [1, 2, 3, 4]
+    assert any(sorted(s["trainers"]) == [0, 1] for s in steps), steps  # a satellite's gradients crossed
     assert "resumed from" in cell_log(run_dir, 0)
     manifest = json.loads((run_dir / "checkpoints/v4/gyre_megatron.json").read_text())
     assert manifest["version"] == 4 and manifest["layout"]["tp"] == 2

@@ -91,8 +91,9 @@ def kill_a_satellite_follower(run_dir: Path, done: threading.Event, report: dict
 
 @pytest.mark.e2e
 def test_a_killed_follower_takes_its_cell_down_and_the_run_goes_on(tmp_path):
-    run_dir, report = run_gyre_with(tmp_path / "runs", kill_a_satellite_follower, "run.steps=4", *MEGATRON_TP2,
-                                    env=SHIMS)
+    # Over the Mooncake Transfer Engine (TCP here): each core rank runs its own publisher.
+    run_dir, report = run_gyre_with(tmp_path / "runs", kill_a_satellite_follower, "run.steps=4", "transfer=mooncake",
+                                    *MEGATRON_TP2, env=SHIMS)
     assert "killed" in report, "no follower was found"
     lost = [m["cell"] for m in metrics(run_dir, "cell_lost")]
     assert lost == [1]

@@ -129,7 +129,7 @@ def run_cycles(cells: Cells, cycles: int) -> list[wire.RoleSwitched]:
     for c in range(cycles):
         for i in cells.ready:
             switch(i, "train")
-        applied = cells.ask(cells.core, wire.ApplyStep(step=version, num_satellite_grads=0, num_executions=1),
+        applied = cells.ask(cells.core, wire.ApplyStep(step=version, satellite_cells=[], num_executions=1),
                             wire.StepApplied)
         version = applied.weight_version  # satellites now pull a version they have not seen
         for i in cells.ready:

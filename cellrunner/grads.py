@@ -31,7 +31,7 @@ SEND_LINGER_MS = 5000
 
 
 class GradInbox:
-    """One core rank's PULL socket and the satellite gradients that came in, by step."""
+    """One core rank's PULL socket and the satellite gradients that came in, by step and cell."""
 
     def __init__(self, ctx: zmq.Context, host: str, rank: int):
         self.rank = rank
@@ -39,7 +39,8 @@ class GradInbox:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"tcp://{host}:0")
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pending: dict[int, list[np.ndarray]] = {}
+        self.pending: dict[int, dict[int, np.ndarray]] = {}
+        """step -> sending cell -> its gradient."""
 
     def drain(self, timeout_ms: int = 0) -> None:
         """Take every frame waiting (after up to ``timeout_ms`` for the first)."""
@@ -50,39 +51,47 @@ class GradInbox:
                 header, grads = recv_grads(parts)
                 if header.rank != self.rank:
                     raise ProtocolError(f"grads: from rank {header.rank} of cell {header.cell_id}, this is rank {self.rank}")
+                if header.cell_id in self.pending.get(header.step, {}):
+                    raise ProtocolError(f"grads: a second gradient of step {header.step} from cell {header.cell_id}")
             except ProtocolError as exc:
                 log.error("core rank %d: rejected gradient frame: %s", self.rank, exc)
                 continue
-            self.pending.setdefault(header.step, []).append(grads)
+            self.pending.setdefault(header.step, {})[header.cell_id] = grads
 
-    def take(self, step: int, count: int, timeout_s: float) -> list[np.ndarray] | None:
-        """``count`` gradients of ``step``, once they are all in; None if they are not by the
-        timeout (those that came stay here)."""
+    def take(self, step: int, cells: list[int], timeout_s: float) -> list[np.ndarray] | None:
+        """The gradients of ``step`` from exactly ``cells``, in that order, once all are in; None
+        if they are not by the timeout (what came stays here)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.drain()
-            if len(self.pending.get(step, [])) >= count:
+            if not self.missing(step, cells):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             self.drain(timeout_ms=max(1, min(100, int(left * 1000))))
-        got = self.pending.pop(step, [])
-        self.pending_back(step, got[count:])
-        return got[:count]
+        have = self.pending[step] if cells else {}
+        return [have.pop(c) for c in cells]
 
-    def pending_back(self, step: int, grads: list[np.ndarray]) -> None:
-        """Keep ``grads`` of ``step`` for a later ``take`` (a step refused on another rank)."""
-        if grads:
-            self.pending.setdefault(step, [])[:0] = grads
+    def missing(self, step: int, cells: list[int]) -> list[int]:
+        have = self.pending.get(step, {})
+        return [c for c in cells if c not in have]
+
+    def pending_back(self, step: int, cells: list[int], grads: list[np.ndarray]) -> None:
+        """Keep ``grads`` (of ``cells``) of ``step`` for a later ``take`` (a step refused on another rank)."""
+        self.pending.setdefault(step, {}).update(zip(cells, grads))
 
     def forget_through(self, step: int) -> None:
-        """``step`` is applied: what is left of it and of earlier steps can no longer count."""
+        """``step`` is applied: what is left of it and of earlier steps can no longer count (a
+        satellite lost after sending: its shards were trained again elsewhere)."""
         for old in [s for s in self.pending if s <= step]:
-            log.warning("core rank %d: dropping %d unused gradients of step %d", self.rank, len(self.pending.pop(old)), old)
+            left = self.pending.pop(old)
+            if left:
+                log.warning("core rank %d: dropping step %d's gradients from cells %s (not counted)", self.rank, old,
+                            sorted(left))
 
     def count(self, step: int) -> int:
-        return len(self.pending.get(step, []))
+        return len(self.pending.get(step, {}))
 
     def close(self) -> None:
         self._sock.close()
@@ -123,21 +132,22 @@ class GradExchange:
         if failed:
             raise RuntimeError(f"step {step}: ranks {failed} could not send their gradients" + (f" ({error})" if error else ""))
 
-    def apply(self, trainer: Any, *, step: int, num_satellites: int, num_executions: int, timeout_s: float,
+    def apply(self, trainer: Any, *, step: int, satellites: list[int], num_executions: int, timeout_s: float,
               agree: Agree) -> tuple[Any, float] | None:
-        """Every rank of the core: take ``num_satellites`` gradients of ``step`` from this rank's
-        inbox, check them against the trainer's buffer, and apply only if every rank can (a
-        refused step leaves every rank as it was, the gradients kept for a retry)."""
+        """Every rank of the core: take the gradients of ``step`` from exactly the cells
+        ``satellites`` from this rank's inbox, check them against the trainer's buffer, and apply
+        only if every rank can (a refused step leaves every rank as it was, the gradients kept for
+        a retry)."""
         assert self.inbox is not None, "only the core applies"
-        got = self.inbox.take(step, num_satellites, timeout_s)
+        got = self.inbox.take(step, satellites, timeout_s)
         want = trainer.grad_numel()
-        bad = "" if got is not None else f"{self.inbox.count(step)} of {num_satellites} satellite gradients arrived"
+        bad = "" if got is not None else f"no gradient from cells {self.inbox.missing(step, satellites)}"
         if got is not None and any(g.size != want for g in got):
             bad = f"a satellite gradient has {[g.size for g in got if g.size != want][0]} elements, want {want}"
         failed = agree(not bad)
         if failed:
             if got is not None:
-                self.inbox.pending_back(step, got)
+                self.inbox.pending_back(step, satellites, got)
             raise ValueError(f"step {step}: refused on ranks {failed}" + (f" (rank {self.rank}: {bad})" if bad else ""))
         out = trainer.apply(got, num_executions)
         self.inbox.forget_through(step)

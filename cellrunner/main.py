@@ -246,7 +246,7 @@ class CellRunner:
         if not self.is_core or self.phase != "training":
             raise RuntimeError("apply_step needs the core cell in training")
         t0 = time.perf_counter()
-        how = dict(step=msg.step, num_satellites=msg.num_satellite_grads, num_executions=msg.num_executions,
+        how = dict(step=msg.step, satellites=msg.satellite_cells, num_executions=msg.num_executions,
                    timeout_s=self.cfg.transfer_timeout_s)
         if isinstance(self.trainer, LeaderTrainer):
             weights, norm = self.trainer.apply_grads(**how)

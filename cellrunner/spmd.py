@@ -13,6 +13,7 @@ and a satellite's rank pulls its weights from, the same rank of the core (``cell
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +27,17 @@ from controller import wire
 MAX_COMMAND_BYTES = wire.MAX_FRAME_BYTES
 
 # op -> its arguments and their types; a command with any other shape is refused
-COMMANDS: dict[str, dict[str, type]] = {
+COMMANDS: dict[str, dict[str, Any]] = {
     "start": {},  # build the replica or bring the core's back
     "stop": {},
     "weights": {},
     "microstep": {"shard": bytes},  # wire.encode(shard)
     # rank r pushes its gradient to addrs[r], the core's rank r (cellrunner.grads)
-    "send_grads": {"step": int, "cell_id": int, "addrs": list},
-    # every rank takes num_satellites gradients of step from its own inbox, then all apply or none
-    "apply": {"step": int, "num_satellites": int, "num_executions": int, "timeout_s": float},
+    "send_grads": {"step": int, "cell_id": int, "addrs": list[str]},
+    # every rank takes the named satellites' gradients of step from its own inbox, then all apply or none
+    "apply": {"step": int, "satellites": list[int], "num_executions": int, "timeout_s": float},
     # a satellite's rank r pulls addrs[r]'s shard, the core's rank r (cellrunner.rank_weights)
-    "start_peers": {"min_version": int, "addrs": list, "timeout_s": float},
+    "start_peers": {"min_version": int, "addrs": list[str], "timeout_s": float},
     "save_checkpoint": {"directory": str},
     "restore": {"path": str, "version": int},
     "exit": {},
@@ -89,12 +90,19 @@ def check_command(op: str, args: dict[str, Any]) -> None:
         raise CommandError(f"{op}: want arguments {sorted(want)}, got {sorted(map(str, args))}")
     for name, kind in want.items():
         value = args[name]
+        if typing.get_origin(kind) is list:
+            item = typing.get_args(kind)[0]
+            if not isinstance(value, list) or not all(_is(v, item) for v in value):
+                raise CommandError(f"{op}.{name}: want a list of {item.__name__}")
+            continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = args[name] = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not _is(value, kind):
             raise CommandError(f"{op}.{name}: want {kind.__name__}, got {type(value).__name__}")
-        if kind is list and not all(isinstance(v, str) for v in value):
-            raise CommandError(f"{op}.{name}: want a list of strings")
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 class CommandChannel:

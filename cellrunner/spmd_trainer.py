@@ -110,11 +110,11 @@ class LeaderTrainer:
         self.channel.send("send_grads", step=step, cell_id=cell_id, addrs=list(addrs))
         self.links.grads.send(self.trainer, addrs, cell_id=cell_id, step=step, agree=self.channel.all_ok)
 
-    def apply_grads(self, *, step: int, num_satellites: int, num_executions: int,
+    def apply_grads(self, *, step: int, satellites: list[int], num_executions: int,
                     timeout_s: float) -> tuple[FlatWeights, float]:
-        self.channel.send("apply", step=step, num_satellites=num_satellites, num_executions=num_executions,
+        self.channel.send("apply", step=step, satellites=list(satellites), num_executions=num_executions,
                           timeout_s=float(timeout_s))
-        out = self.links.grads.apply(self.trainer, step=step, num_satellites=num_satellites, num_executions=num_executions,
+        out = self.links.grads.apply(self.trainer, step=step, satellites=satellites, num_executions=num_executions,
                              timeout_s=timeout_s, agree=self.channel.all_ok)
         assert out is not None
         self.links.weights.publish(self.trainer)
@@ -165,7 +165,7 @@ def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Co
     elif cmd.op == "send_grads":
         links.grads.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
     elif cmd.op == "apply":
-        links.grads.apply(trainer, step=a["step"], num_satellites=a["num_satellites"],
+        links.grads.apply(trainer, step=a["step"], satellites=a["satellites"],
                           num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
         links.weights.publish(trainer)
     elif cmd.op == "save_checkpoint":

@@ -164,7 +164,7 @@ class StepCoordinator:
         if core_training and st.grads_wanted <= st.grads_sent:
             st.apply_sent = True
             out.append((self.core_cell, ApplyStep(
-                step=st.step, num_satellite_grads=len(st.grads_sent), num_executions=st.num_executions,
+                step=st.step, satellite_cells=sorted(st.grads_sent), num_executions=st.num_executions,
                 checkpoint=due(st.step + 1, self.checkpoint_every),
             )))
         return out

@@ -267,13 +267,18 @@ class ApplyStep(Message):
 
     TAG: ClassVar[str] = "apply_step"
     step: int
-    num_satellite_grads: int
+    satellite_cells: list[int]
+    """The satellites whose gradients count (their ``GradsSent`` arrived). Any other gradient of
+    this step is left out: a satellite lost after sending had its shards trained again elsewhere."""
     num_executions: int
     checkpoint: bool = False
     """Then save the new version's weights and optimizer state (the controller's checkpoint policy)."""
 
     def check(self) -> None:
-        _non_negative(num_satellite_grads=self.num_satellite_grads)
+        for c in self.satellite_cells:
+            _non_negative(satellite_cells=c)
+        if len(set(self.satellite_cells)) != len(self.satellite_cells):
+            raise ValueError(f"satellite_cells: a cell named twice in {self.satellite_cells}")
         if self.num_executions < 1:
             raise ValueError("num_executions: want >= 1")
 

@@ -17,11 +17,12 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 from cellrunner.spmd import COMMANDS, CommandError, decode_command, encode_command  # noqa: E402
 from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
 
-APPLY = {"step": 3, "num_satellites": 1, "num_executions": 8, "timeout_s": 5.0}
+APPLY = {"step": 3, "satellites": [1, 2], "num_executions": 8, "timeout_s": 5.0}
 
 
 def test_every_command_round_trips():
-    samples = {int: 7, str: "/ckpt", bytes: b"\x00frame", float: 2.5, list: ["tcp://10.0.0.1:5000"]}
+    samples = {int: 7, str: "/ckpt", bytes: b"\x00frame", float: 2.5, list[str]: ["tcp://10.0.0.1:5000"],
+               list[int]: [1, 3]}
     for op, args in COMMANDS.items():
         values = {name: samples[kind] for name, kind in args.items()}
         cmd = decode_command(encode_command(op, **values))
@@ -33,12 +34,14 @@ def test_every_command_round_trips():
     (b"\xc1", "not MessagePack"),
     (msgpack.packb({"op": "stop"}), r"want \[op, \{args\}\]"),
     (msgpack.packb(["launch_missiles", {}]), "unknown op"),
-    (msgpack.packb(["apply", {"num_satellites": 1}]), "want arguments"),
+    (msgpack.packb(["apply", {"satellites": [1]}]), "want arguments"),
     (msgpack.packb(["apply", APPLY | {"num_executions": "8"}]), "num_executions: want int"),
-    (msgpack.packb(["apply", APPLY | {"num_satellites": True}]), "num_satellites: want int"),
+    (msgpack.packb(["apply", APPLY | {"step": True}]), "step: want int"),
+    (msgpack.packb(["apply", APPLY | {"satellites": [1, True]}]), "satellites: want a list of int"),
+    (msgpack.packb(["apply", APPLY | {"satellites": 1}]), "satellites: want a list of int"),
     (msgpack.packb(["microstep", {"shard": "not bytes"}]), "shard: want bytes"),
-    (msgpack.packb(["send_grads", {"step": 1, "cell_id": 2, "addrs": "tcp://a:1"}]), "addrs: want list"),
-    (msgpack.packb(["send_grads", {"step": 1, "cell_id": 2, "addrs": [1]}]), "addrs: want a list of strings"),
+    (msgpack.packb(["send_grads", {"step": 1, "cell_id": 2, "addrs": "tcp://a:1"}]), "addrs: want a list of str"),
+    (msgpack.packb(["send_grads", {"step": 1, "cell_id": 2, "addrs": ["tcp://a:1", 2]}]), "addrs: want a list of str"),
 ])
 def test_bad_commands_are_refused(data, match):
     with pytest.raises(CommandError, match=match):

@@ -131,10 +131,10 @@ def worker(tp: int, ckpt_dir: str) -> None:
     # Step 9's gradient reaches rank 1 only: rank 0 times out, so neither rank applies.
     send_to_peer(ctx, inboxes[1], cell_id=1, step=9, rank=1, grads=np.zeros(core.grad_numel(), dtype=np.float32))
     try:
-        core.apply_grads(step=9, num_satellites=1, num_executions=n, timeout_s=1.0)
+        core.apply_grads(step=9, satellites=[1], num_executions=n, timeout_s=1.0)
     except ValueError as exc:
         out["refused"] = str(exc)
-    w1, out["norm"] = core.apply_grads(step=0, num_satellites=1, num_executions=n, timeout_s=60.0)
+    w1, out["norm"] = core.apply_grads(step=0, satellites=[1], num_executions=n, timeout_s=60.0)
     path = core.save_checkpoint(ckpt_dir)
     core.close()
 
@@ -154,7 +154,7 @@ def worker(tp: int, ckpt_dir: str) -> None:
     ref.start(None)
     ref.microstep(a)
     ref.microstep(b)
-    w_ref, out["norm_ref"] = ref.apply_grads(step=0, num_satellites=0, num_executions=n, timeout_s=1.0)
+    w_ref, out["norm_ref"] = ref.apply_grads(step=0, satellites=[], num_executions=n, timeout_s=1.0)
     ref.close()
 
     restored = cell(True)

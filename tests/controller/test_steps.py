@@ -35,7 +35,7 @@ def test_stream_then_gather_then_apply():
     out = sc.finish(core_training=False)
     assert out == []  # the core must be training to apply
     (cell, apply), = sc.finish(core_training=True)
-    assert cell == 0 and apply.num_satellite_grads == 1 and apply.num_executions == 4
+    assert cell == 0 and apply.satellite_cells == [2] and apply.num_executions == 4
     st = sc.on_step_applied(0, 1)
     assert sc.version == 1 and st.mean_reward == 0.5
 

@@ -133,7 +133,7 @@ class GradExchange:
             raise RuntimeError(f"step {step}: ranks {failed} could not send their gradients" + (f" ({error})" if error else ""))
 
     def apply(self, trainer: Any, *, step: int, satellites: list[int], num_executions: int, timeout_s: float,
-              agree: Agree) -> tuple[Any, float] | None:
+              agree: Agree) -> tuple[Any, float]:
         """Every rank of the core: take the gradients of ``step`` from exactly the cells
         ``satellites`` from this rank's inbox, check them against the trainer's buffer, and apply
         only if every rank can (a refused step leaves every rank as it was, the gradients kept for

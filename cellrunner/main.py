@@ -175,16 +175,10 @@ class CellRunner:
             phases["release"] = time.perf_counter() - t1
             t2 = time.perf_counter()
             if self.is_core:
-                phases["pull"] = 0.0
                 self.trainer.start(None)
-            elif self.pulls_rank_shards():  # pull and start in one, each rank from its peer
-                self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=msg.weight_version,
-                                              timeout_s=self.cfg.transfer_timeout_s)
-                phases["pull"] = time.perf_counter() - t2
+                phases["pull"] = 0.0
             else:
-                weights = self.fetch_weights(msg.weight_version)
-                phases["pull"] = time.perf_counter() - t2
-                self.trainer.start(weights)
+                phases["pull"] = self.start_satellite(msg.weight_version)
             phases["start_trainer"] = time.perf_counter() - t2 - phases["pull"]
             self.phase = "training"
             log.info("cell %d: serve -> train in %.3fs (aborted %d calls)", self.cell_id, time.perf_counter() - t0, aborted)
@@ -214,11 +208,7 @@ class CellRunner:
         elif self.phase == "training" and not self.is_core:
             if self.trainer.num_microsteps:
                 raise RuntimeError("load_weights while holding unsent gradients")
-            if self.pulls_rank_shards():
-                self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=msg.weight_version,
-                                              timeout_s=self.cfg.transfer_timeout_s)
-            else:
-                self.trainer.start(self.fetch_weights(msg.weight_version))
+            self.start_satellite(msg.weight_version)
         # the core's trainer replica is the authority: nothing to load
         self.send(wire.WeightsLoaded(cell_id=self.cell_id, weight_version=self.current_version(), load_s=time.perf_counter() - t0))
 
@@ -265,9 +255,18 @@ class CellRunner:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def pulls_rank_shards(self) -> bool:
-        """A multi-rank satellite trains on its peers' shards of the core, not the whole model."""
-        return isinstance(self.trainer, LeaderTrainer)
+    def start_satellite(self, version: int) -> float:
+        """Start the trainer on the core's weights of ``version`` (or newer); returns the pull's
+        seconds. A multi-rank satellite pulls and loads in one, each rank its peer's shard."""
+        t0 = time.perf_counter()
+        if isinstance(self.trainer, LeaderTrainer):
+            self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=version,
+                                          timeout_s=self.cfg.transfer_timeout_s)
+            return time.perf_counter() - t0
+        weights = self.fetch_weights(version)
+        pulled = time.perf_counter() - t0
+        self.trainer.start(weights)
+        return pulled
 
     def fetch_weights(self, version: int) -> FlatWeights:
         assert self.weight_puller is not None, "only satellites pull weights"

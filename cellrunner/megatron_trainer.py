@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -277,16 +278,26 @@ class MegatronTrainer:
 
     def start(self, weights: FlatWeights | None) -> None:
         """Build the replica (or bring the core's back); load ``weights`` when given."""
-        if self.model is None:
-            self._build()
-            if weights is None:
-                self._load_hf(self._initial_hf())
-                self.version = 0  # the seeded init (or the HF checkpoint) is version 0 everywhere
-        elif self._offloaded:
-            self._restore()
+        built = self._bring_up()
         if weights is not None:
             self._load_hf(hf_tensors(weights, self.layout))
             self.version = weights.version
+        elif built:
+            self._load_hf(self._initial_hf())
+            self.version = 0  # the seeded init (or the HF checkpoint) is version 0 everywhere
+        self._ready()
+
+    def _bring_up(self) -> bool:
+        """Build the replica, or bring an offloaded core's back; True when it was just built."""
+        if self.model is None:
+            self._build()
+            return True
+        if self._offloaded:
+            self._restore()
+        return False
+
+    def _ready(self) -> None:
+        """Into training mode with clean gradients (and the core's optimizer, once)."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.num_microsteps = 0
@@ -340,30 +351,19 @@ class MegatronTrainer:
         for name, p in params.items():
             specs.append(TensorSpec(name=name, shape=list(p.shape), offset=offset))
             offset += p.numel()
-        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()]) if params else torch.zeros(0)
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()])
         return FlatWeights(self.version, tuple(specs), flat.numpy())
 
     def start_local(self, weights: FlatWeights) -> None:
         """``start`` from the same rank's ``local_weights`` of another cell (no HF conversion, no
         gather): the layouts must match name for name."""
-        if self.model is None:
-            self._build()
-        elif self._offloaded:
-            self._restore()
-        params = self._named_params()
-        want = [(n, tuple(p.shape)) for n, p in params.items()]
-        if [(s.name, tuple(s.shape)) for s in weights.specs] != want:
+        self._bring_up()
+        if [s.name for s in weights.specs] != list(self._named_params()):
             raise ValueError("weights: this rank's manifest does not match the sender's (different layouts)")
         data = weights.tensor()
-        with torch.no_grad():
-            for spec, p in zip(weights.specs, params.values()):
-                p.copy_(data[spec.offset : spec.offset + p.numel()].view(p.shape).to(p.device, p.dtype))
-        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
-            self.optimizer.reload_model_params()
+        self._set_params({s.name: data[s.offset : s.offset + math.prod(s.shape)].view(s.shape) for s in weights.specs})
         self.version = weights.version
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.num_microsteps = 0
+        self._ready()
 
     # -- work ----------------------------------------------------------------------------------
 
@@ -577,6 +577,10 @@ class MegatronTrainer:
                               layers=self._global_layers)
         if self.layout.tied_embeddings:
             mine["output_layer.weight"] = mine["embedding.word_embeddings.weight"]
+        self._set_params(mine)
+
+    def _set_params(self, mine: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's parameters in, by global Megatron name, each of its exact shape."""
         with torch.no_grad():
             for name, p in self._named_params().items():
                 src = mine.get(name)

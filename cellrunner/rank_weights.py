@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-from cellrunner.spmd import Agree
+from cellrunner.spmd import CommandChannel
 from cellrunner.transfer import WeightPublisher, WeightPuller
 
 log = logging.getLogger(__name__)
-
-Versions = Callable[[int], list[int]]
-"""Collective over a cell's ranks: every rank's integer, in rank order."""
 
 
 class RankWeights:
@@ -45,8 +41,8 @@ class RankWeights:
         if self.publisher is not None and trainer.model is not None:
             self.publisher.publish(trainer.local_weights())
 
-    def start(self, trainer: Any, addrs: list[str], *, min_version: int, timeout_s: float, agree: Agree,
-              versions: Versions) -> int:
+    def start(self, trainer: Any, addrs: list[str], *, min_version: int, timeout_s: float,
+              channel: CommandChannel) -> int:
         """Satellite, every rank: pull ``addrs[rank]``'s shard (version >= ``min_version``) and
         start the trainer on it; returns the version all ranks loaded."""
         assert self.puller is not None, "only satellites pull"
@@ -60,8 +56,8 @@ class RankWeights:
         except Exception as exc:  # a refused or timed-out pull, another layout: the cell says why
             error = f"{type(exc).__name__}: {exc}"
             log.error("rank %d: weights of version >= %d not loaded: %s", self.rank, min_version, error)
-        failed = agree(not error)
-        loaded = versions(version)
+        failed = channel.all_ok(not error)
+        loaded = channel.gather_ints(version)
         if failed or len(set(loaded)) != 1:
             trainer.stop()  # never train on some ranks' old or mixed weights
             why = f"ranks {failed} could not load weights" if failed else f"ranks loaded versions {loaded}"

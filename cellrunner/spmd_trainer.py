@@ -85,7 +85,7 @@ class LeaderTrainer:
             raise ValueError(f"the core publishes {len(addrs)} rank shards, this cell has {dist.get_world_size()} ranks")
         self.channel.send("start_peers", min_version=min_version, addrs=list(addrs), timeout_s=float(timeout_s))
         return self.links.weights.start(self.trainer, addrs, min_version=min_version, timeout_s=timeout_s,
-                                        agree=self.channel.all_ok, versions=self.channel.gather_ints)
+                                        channel=self.channel)
 
     def stop(self) -> None:
         self.channel.send("stop")
@@ -98,9 +98,6 @@ class LeaderTrainer:
     def microstep(self, shard: wire.Shard) -> MicrostepResult:
         self.channel.send("microstep", shard=wire.encode(shard))
         return self.trainer.microstep(shard)
-
-    def grad_numel(self) -> int:
-        return self.trainer.grad_numel()
 
     def send_grads(self, addrs: list[str], *, cell_id: int, step: int) -> None:
         """Every rank sends its gradient to ``addrs[rank]`` (the core's ranks, in rank order)."""
@@ -115,8 +112,7 @@ class LeaderTrainer:
         self.channel.send("apply", step=step, satellites=list(satellites), num_executions=num_executions,
                           timeout_s=float(timeout_s))
         out = self.links.grads.apply(self.trainer, step=step, satellites=satellites, num_executions=num_executions,
-                             timeout_s=timeout_s, agree=self.channel.all_ok)
-        assert out is not None
+                                     timeout_s=timeout_s, agree=self.channel.all_ok)
         self.links.weights.publish(self.trainer)
         return out
 
@@ -154,7 +150,7 @@ def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Co
             links.weights.publish(trainer)
     elif cmd.op == "start_peers":
         links.weights.start(trainer, a["addrs"], min_version=a["min_version"], timeout_s=a["timeout_s"],
-                            agree=channel.all_ok, versions=channel.gather_ints)
+                            channel=channel)
     elif cmd.op == "stop":
         trainer.stop()
     elif cmd.op == "weights":

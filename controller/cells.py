@@ -30,8 +30,9 @@ class Cell:
     engine_url: str = ""
     weights_addr: str = ""
     grads_addrs: list[str] = field(default_factory=list)
-    rank_weights_addrs: list[str] = field(default_factory=list)
     """The core's ranks' gradient inboxes, in rank order."""
+    rank_weights_addrs: list[str] = field(default_factory=list)
+    """A multi-rank core's ranks' own-shard publishers, in rank order."""
     phase: CellPhase = "starting"
     weight_version: int = 0
     num_running: int = 0

@@ -17,7 +17,7 @@ from cellrunner.model import flatten_grads
 from cellrunner.spmd import solo
 from cellrunner.trainer import EmbeddedTrainer
 from controller import wire
-from tests.cellrunner.test_trainer import VOCAB, assert_same_gradient, cfgs, make_shards
+from tests.cellrunner.test_trainer import VOCAB, assert_same_gradient, cfgs, make_shards, one_replica_grads
 
 
 @pytest.fixture
@@ -78,11 +78,7 @@ def test_header_fields_are_checked():
 def test_a_satellite_gradient_through_the_exchange_is_one_replicas_step(ctx):
     model_cfg, algo = cfgs()
     shards = make_shards(random.Random(4), 4)
-    single = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
-    single.start(None)
-    for sh in shards:
-        single.microstep(sh)
-    want = single.take_grads()
+    want = one_replica_grads(shards)
 
     core = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
     core.start(None)

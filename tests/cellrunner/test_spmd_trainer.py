@@ -129,7 +129,7 @@ def worker(tp: int, ckpt_dir: str) -> None:
     before = core.weights()
     core.microstep(b)
     # Step 9's gradient reaches rank 1 only: rank 0 times out, so neither rank applies.
-    send_to_peer(ctx, inboxes[1], cell_id=1, step=9, rank=1, grads=np.zeros(core.grad_numel(), dtype=np.float32))
+    send_to_peer(ctx, inboxes[1], cell_id=1, step=9, rank=1, grads=np.zeros(core.trainer.grad_numel(), dtype=np.float32))
     try:
         core.apply_grads(step=9, satellites=[1], num_executions=n, timeout_s=1.0)
     except ValueError as exc:

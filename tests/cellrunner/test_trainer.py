@@ -51,16 +51,22 @@ def assert_same_gradient(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
 
 
+def one_replica_grads(shards: list[wire.Shard]) -> np.ndarray:
+    """The summed gradient one core computes on all of ``shards`` (what any split must equal)."""
+    model_cfg, algo = cfgs()
+    single = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
+    single.start(None)
+    for sh in shards:
+        single.microstep(sh)
+    return single.take_grads()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_update_is_the_same_whoever_computes_it(seed):
     model_cfg, algo = cfgs()
     rng = random.Random(seed)
     shards = make_shards(rng, 6)
-    single = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
-    single.start(None)
-    for sh in shards:
-        single.microstep(sh)
-    want = single.take_grads()
+    want = one_replica_grads(shards)
 
     core = EmbeddedTrainer(model_cfg=model_cfg, algo=algo, vocab_size=VOCAB, is_core=True)
     core.start(None)

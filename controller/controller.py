@@ -26,7 +26,7 @@ from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
 from controller.report import MetricsSink
-from controller.scheduler import SchedulerView, decide, launch_room, steps_to_plan
+from controller.scheduler import SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 from controller.slurm_launch import SlurmCells, resolve_host
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
@@ -491,6 +491,11 @@ class Controller:
             rollouts_pending=self.stage in ("train", "eval_start") and self.planned_steps < self.cfg.run.steps,
             train_demand=self.steps.train_demand() if self.stage == "train" else 0,
             step_rollouts_done=st is not None and st.rollouts_done,
+            ready_microsteps=len(st.ready) if st is not None and self.stage == "train" else 0,
+            queued_at_apply=executions_at_apply(
+                version=self.steps.version, staleness=self.cfg.scheduler.staleness, total_steps=self.cfg.run.steps,
+                planned=self.planned_steps, per_step=self.cfg.workload.groups_per_step * self.cfg.workload.group_size,
+            ) if self.stage == "train" else 0,
             steps_left=self.cfg.run.steps - self.steps.version,
         )
 

@@ -15,7 +15,10 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
      the core while it is due to train, so its running work drains and it can go;
   3. satellites beyond what all live work (queued + running) needs train, as many as there are
      microsteps for them; an idle training satellite stays (a switch costs minutes on a cluster)
-     until live work needs it back;
+     until live work needs it back. In the step's tail (its rollouts all in, no microstep left to
+     hand out) live work counts the rollouts its update will release (``queued_at_apply``), so a
+     satellite with nothing left to train is serving when they launch instead of starting its
+     switch then: the next step's rollouts are on the critical path;
   4. ``min_serving_cells`` stand by for rollouts to come, except when nothing is live and the
      trainable step's rollouts are all in: then no rollout can start before its update lands.
 - ``async``: fixed pools; the core and the next ``train_cells - 1`` cells train, the rest serve.
@@ -58,6 +61,11 @@ class SchedulerView:
     """Microsteps of the trainable step ready or in flight, plus 1 while its update is pending."""
     step_rollouts_done: bool
     """Every group of the trainable step has been graded (colocate waits for this)."""
+    ready_microsteps: int = 0
+    """Microsteps of the trainable step ready and not yet handed to a cell."""
+    queued_at_apply: int = 0
+    """Executions the trainable step's update will queue: the next step's rollouts, which the
+    staleness bound holds until it lands (``executions_at_apply``)."""
     steps_left: int | None = None
     """Weight versions still to train (0 once the last update is applied). ``None``: the caller
     does not say, and the run counts as over once nothing is live, pending or in demand, which
@@ -92,6 +100,12 @@ def steps_to_plan(*, version: int, staleness: int, total_steps: int) -> int:
     return max(0, min(total_steps, version + staleness + 1))
 
 
+def executions_at_apply(*, version: int, staleness: int, total_steps: int, planned: int, per_step: int) -> int:
+    """Executions the next update (``version + 1``) lets the controller plan, ``per_step`` a step."""
+    more = steps_to_plan(version=version + 1, staleness=staleness, total_steps=total_steps) - planned
+    return max(0, more) * per_step
+
+
 def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
     """Queued executions the controller may start now: the free slots of the cells serving now,
     less the core's while ``elastic`` wants the core to train (rule 2)."""
@@ -106,6 +120,15 @@ def serving_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> i
     """Cells that hold all live work (queued + running), at least ``min_serving_cells`` while
     there is or will be rollout work."""
     return _cells_for(view.queued + view.running, view, cfg, num_cells)
+
+
+def tail_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
+    """``serving_need`` counting the rollouts the update will release, once the trainable step
+    has nothing left to hand out (its rollouts in, no microstep ready): they launch the moment
+    it lands."""
+    if not (view.step_rollouts_done and view.ready_microsteps == 0 and view.queued_at_apply > 0):
+        return serving_need(view, cfg, num_cells)
+    return _cells_for(view.queued + view.running + view.queued_at_apply, view, cfg, num_cells)
 
 
 def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
@@ -189,7 +212,7 @@ def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core:
     them, and an idle core serves queued work when there is nothing to train."""
     sat_serving = [c for c in holding if not c.is_core]
     sat_training = [c for c in training if not c.is_core]
-    live_need = serving_need(view, cfg, n) - (0 if core_trains or core is None else 1)
+    live_need = tail_need(view, cfg, n) - (0 if core_trains or core is None else 1)
     spare = len(sat_serving) - max(live_need, running_need(view, cfg, n))
     # The pending update (counted in train_demand once the rollouts are in) is the core's, and
     # the core takes one microstep itself.

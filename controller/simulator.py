@@ -38,7 +38,7 @@ from typing import Literal
 import yaml
 
 from controller.config import SchedulerConfig
-from controller.scheduler import CellView, SchedulerView, decide, launch_room, steps_to_plan
+from controller.scheduler import CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 from controller.steps import StepCoordinator
 from controller.traces import Trace
 from controller.typed_config import build
@@ -352,6 +352,10 @@ class Simulation:
             rollouts_pending=self.planned < self.wl.steps,
             train_demand=self.steps.train_demand(),
             step_rollouts_done=st is not None and st.rollouts_done,
+            ready_microsteps=len(st.ready) if st is not None else 0,
+            queued_at_apply=executions_at_apply(version=self.steps.version, staleness=self.cfg.staleness,
+                                                total_steps=self.wl.steps, planned=self.planned,
+                                                per_step=self.wl.groups_per_step * self.wl.group_size),
             steps_left=self.wl.steps - self.steps.version,
         )
 

@@ -2,7 +2,7 @@
 The invariants over all snapshots are in test_scheduler_properties.py."""
 
 from controller.config import SchedulerConfig
-from controller.scheduler import CellView, SchedulerView, decide, launch_room, steps_to_plan
+from controller.scheduler import CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 
 
 def cfg(kind="elastic", cap=4, train_cells=1, min_serving=1):
@@ -15,9 +15,10 @@ def cell(i, role="serve", phase=None, core=False, busy=False, running=0, trained
     return CellView(cell_id=i, role=role, phase=phase, is_core=core, busy=busy, num_running=running, trained_s=trained)
 
 
-def view(cells, queued=0, running=0, demand=0, done=False, pending=True):
+def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0):
     return SchedulerView(cells=tuple(cells), queued=queued, running=running, rollouts_pending=pending,
-                         train_demand=demand, step_rollouts_done=done)
+                         train_demand=demand, step_rollouts_done=done, ready_microsteps=ready,
+                         queued_at_apply=at_apply)
 
 
 def moves(out):
@@ -58,6 +59,27 @@ def test_elastic_idle_satellite_stays_training_until_live_work_needs_it():
     cells = [cell(0, "train", core=True), cell(1, "train"), cell(2), cell(3)]
     assert decide(view(cells, running=6, demand=1), cfg()) == []  # 6 running fit in 2 cells
     assert moves(decide(view(cells, queued=4, running=6, demand=1), cfg())) == {(1, "serve")}
+
+
+def test_elastic_tail_serves_the_rollouts_the_update_will_release():
+    # The step's rollouts are in, its last two microsteps run on the core and cell 1; cell 2 has
+    # nothing left to train. Cell 3 holds the next step's 4 runs; the update will queue 4 more,
+    # which need a second serving cell the moment it lands: cell 2 turns to serve now.
+    cells = [cell(0, "train", core=True, busy=True), cell(1, "train", busy=True), cell(2, "train"), cell(3, running=4)]
+    tail = dict(running=4, demand=3, done=True, ready=0)
+    assert moves(decide(view(cells, **tail, at_apply=4), cfg())) == {(2, "serve")}
+    # Not while a microstep is still waiting for a cell, nor when the update releases nothing.
+    assert decide(view(cells, **tail | {"ready": 1, "demand": 4}, at_apply=4), cfg()) == []
+    assert decide(view(cells, **tail, at_apply=0), cfg()) == []
+    # Not while the step's rollouts are still coming in (more microsteps will).
+    assert decide(view(cells, **tail | {"done": False}, at_apply=4), cfg()) == []
+
+
+def test_executions_at_apply_is_what_the_staleness_bound_releases():
+    # Version 3, staleness 1: steps 0..4 may be planned; the update to 4 releases step 5.
+    assert executions_at_apply(version=3, staleness=1, total_steps=10, planned=5, per_step=8) == 8
+    assert executions_at_apply(version=3, staleness=1, total_steps=5, planned=5, per_step=8) == 0
+    assert executions_at_apply(version=3, staleness=1, total_steps=10, planned=4, per_step=8) == 16
 
 
 def test_elastic_brings_a_satellite_back_so_the_core_can_go():

@@ -45,7 +45,8 @@ def snapshots(draw, kind: str = "elastic") -> tuple[SchedulerView, SchedulerConf
     running = draw(st.integers(0, 80))
     view = SchedulerView(cells=tuple(cells), queued=draw(st.integers(0, 80)), running=running,
                          rollouts_pending=draw(st.booleans()), train_demand=draw(st.integers(0, 6)),
-                         step_rollouts_done=draw(st.booleans()), steps_left=draw(st.none() | st.integers(0, 3)))
+                         step_rollouts_done=draw(st.booleans()), steps_left=draw(st.none() | st.integers(0, 3)),
+                         ready_microsteps=draw(st.integers(0, 4)), queued_at_apply=draw(st.integers(0, 40)))
     return view, cfg
 
 

@@ -19,6 +19,12 @@ the shard latency), simulates each policy, and ``calibration_error`` is the larg
 filled in that was not measured; ``assumed`` lists those that are not (the gradient push, and
 for older result files the shard latency).
 
+Bound (``bound_h`` per row, ``p2_4t_ceiling_vs_*``): ``controller.bounds.makespan_bound``, the
+shortest time *any* policy could take on the same runs (switches, transfers and serving capacity
+free; the staleness bound, the timeout, the grading, the step order and the cells' number kept).
+Colocate's or async's hours over it is the highest ratio a policy could reach on that trace, so a
+goal above it is out of reach for every policy, not just the one we have.
+
 What-if (``what_if_run_release``, never in the headline figures): the 2.4T-like trace and the
 calibrated embedded setup again with ``release="run"``, a processor that would release each run's
 share of its group's microsteps as soon as that run is graded (``controller/simulator.py`` says why
@@ -40,7 +46,8 @@ from typing import Any
 
 import yaml
 
-from controller.simulator import RunSource, SimResult, simulate
+from controller.bounds import makespan_bound
+from controller.simulator import RunSource, SimResult, pool_source, simulate
 from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace
 from workloads.harness import think_times
 
@@ -66,6 +73,7 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
             trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=QUICK_STEPS))
         res = {k: simulate(trace, k, seed=seed) for k in POLICIES}
         e = res["elastic"].makespan_s
+        bound = makespan_bound(trace, pool_source(trace, seed))
         # The trace's async split is the reference's; every other split is run too, so the
         # comparison against the best fixed pools is in the table beside it.
         splits: dict[str, float] = {}  # training cells (a JSON key) -> async h / elastic h
@@ -78,6 +86,8 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
             "nodes": trace.cells.num_cells * trace.cells.nodes_per_cell, "cells": trace.cells.num_cells,
             "hours": {k: r.makespan_h for k, r in res.items()},
             "vs_async": res["async"].makespan_s / e, "vs_colocate": res["colocate"].makespan_s / e,
+            "bound_h": bound / 3600.0, "ceiling_vs_async": res["async"].makespan_s / bound,
+            "ceiling_vs_colocate": res["colocate"].makespan_s / bound,
             "async_train_cells": trace.workload.async_train_cells, "vs_async_splits": splits,
             "vs_best_async": min(splits.values()),
             "timed_out_share": {k: r.num_timed_out / max(1, r.num_executions) for k, r in res.items()},
@@ -90,8 +100,8 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| workload | nodes | elastic h | async h | colocate h | vs Async | vs Colocate | vs best Async split "
-          "| timed out e/a/c | reference |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| timed out e/a/c | bound h (ceilings) | reference |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         h, to, ref = r["hours"], r["timed_out_share"], r["reference_h"]
         ref_s = (f"{ref['elastic']:.2f} / {ref['async']:.2f} / {ref['colocate']:.2f} h = "
@@ -100,7 +110,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['vs_async']:.2f}x | {r['vs_colocate']:.2f}x | "
               f"{r['vs_best_async']:.2f}x ({min(r['vs_async_splits'], key=r['vs_async_splits'].get)} of "
               f"{r['cells']} cells train) | "
-              f"{to['elastic']:.0%} / {to['async']:.0%} / {to['colocate']:.0%} | {ref_s} |")
+              f"{to['elastic']:.0%} / {to['async']:.0%} / {to['colocate']:.0%} | "
+              f"{r['bound_h']:.2f} ({r['ceiling_vs_async']:.2f}x / {r['ceiling_vs_colocate']:.2f}x) | {ref_s} |")
 
 
 # ---------------------------------------------------------------- calibration
@@ -212,6 +223,7 @@ def calibrate(path: Path | None) -> dict[str, Any]:
         return {"error": None, "reason": f"cannot calibrate: {exc}"}
     sims: dict[str, SimResult] = {k: simulate(trace, k, runs=runs) for k in POLICIES}
     predicted = _ratios(sims)
+    bound = makespan_bound(trace, runs)
     measured = {k: result[k] for k in predicted}
     errors = {k: abs(predicted[k] - measured[k]) / measured[k] for k in predicted}
     return {
@@ -220,6 +232,7 @@ def calibrate(path: Path | None) -> dict[str, Any]:
         "measured_s": {k: result.get(f"{k}_s") for k in POLICIES},
         "result_file": str(path), "trace": dataclasses.asdict(trace.cells) | dataclasses.asdict(trace.workload),
         "assumed": assumed, "reason": "",
+        "bound_s": bound, "ceiling": {f"elastic_vs_{k}": sims[k].makespan_s / bound for k in ("async", "colocate")},
         "what_if_run_release": _ratios({k: simulate(trace, k, runs=runs, release="run") for k in POLICIES}),
     }
 
@@ -237,7 +250,10 @@ def what_if_run_release(trace_dir: Path, *, quick: bool, seed: int) -> dict[str,
     if quick:
         trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=QUICK_STEPS))
     sims = {k: simulate(trace, k, seed=seed, release="run") for k in POLICIES}
-    return {"hours": {k: r.makespan_h for k, r in sims.items()}} | {
+    bound = makespan_bound(trace, pool_source(trace, seed), release="run")
+    return {"hours": {k: r.makespan_h for k, r in sims.items()}, "bound_h": bound / 3600.0,
+            "ceiling_vs_async": sims["async"].makespan_s / bound,
+            "ceiling_vs_colocate": sims["colocate"].makespan_s / bound} | {
         k.replace("elastic", "p2_4t"): v for k, v in _ratios(sims).items()}
 
 
@@ -261,17 +277,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"calibration: none ({cal['reason']})")
     else:
         print(f"calibration against {cal['result_file']}: predicted {cal['predicted']}, measured {cal['measured']}, "
-              f"error {cal['error']:.3f}")
+              f"error {cal['error']:.3f}; no policy beats {cal['bound_s']:.1f} s there (ceilings "
+              f"{cal['ceiling']['elastic_vs_async']:.2f}x / {cal['ceiling']['elastic_vs_colocate']:.2f}x)")
     what_if = what_if_run_release(args.traces, quick=args.quick, seed=args.seed)
     if what_if:
         print(f"what-if, runs released as graded (upper bound, not Gyre's processor): p2_4t "
-              f"{what_if['p2_4t_vs_async']:.2f}x vs async, {what_if['p2_4t_vs_colocate']:.2f}x vs colocate"
+              f"{what_if['p2_4t_vs_async']:.2f}x vs async, {what_if['p2_4t_vs_colocate']:.2f}x vs colocate "
+              f"(its bound {what_if['bound_h']:.2f} h: ceilings {what_if['ceiling_vs_async']:.2f}x / "
+              f"{what_if['ceiling_vs_colocate']:.2f}x)"
               + (f"; embedded predicted {cal['what_if_run_release']}" if cal["error"] is not None else ""))
     p24 = next((r for r in rows if r["trace"] == "p2_4t"), None)
     out = {
         "p2_4t_vs_async": p24["vs_async"] if p24 else None,
         "p2_4t_vs_colocate": p24["vs_colocate"] if p24 else None,
         "p2_4t_vs_best_async": p24["vs_best_async"] if p24 else None,
+        "p2_4t_ceiling_vs_async": p24["ceiling_vs_async"] if p24 else None,
+        "p2_4t_ceiling_vs_colocate": p24["ceiling_vs_colocate"] if p24 else None,
         "calibration_error": cal["error"],
         "calibration": cal, "table": rows, "what_if_run_release": what_if,
         "config": {"traces": str(args.traces), "quick": args.quick, "seed": args.seed,

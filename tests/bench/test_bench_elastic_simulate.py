@@ -39,6 +39,12 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
         assert set(row["vs_async_splits"]) == {str(k) for k in range(1, row["cells"])}
         assert row["vs_async_splits"][str(row["async_train_cells"])] == row["vs_async"]
         assert row["vs_best_async"] == min(row["vs_async_splits"].values())
+        # the bound: no policy run beats it, so no ratio exceeds its ceiling
+        assert all(h >= row["bound_h"] - 1e-9 for h in row["hours"].values())
+        assert row["vs_async"] <= row["ceiling_vs_async"] and row["vs_colocate"] <= row["ceiling_vs_colocate"]
+    assert out["p2_4t_ceiling_vs_colocate"] == out["table"][0]["ceiling_vs_colocate"]
+    run = out["what_if_run_release"]
+    assert run["p2_4t_vs_colocate"] <= run["ceiling_vs_colocate"] and run["bound_h"] <= min(run["hours"].values())
 
 
 def test_simulate_refuses_a_file_that_is_not_a_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -66,6 +72,8 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
         assert "not measured" in cal["reason"]
     else:
         assert finite(cal["error"]) and set(cal["predicted"]) == {"elastic_vs_async", "elastic_vs_colocate"}
+        assert cal["bound_s"] <= min(cal["predicted_s"].values())
+        assert all(cal["ceiling"][k] >= cal["predicted"][k] for k in cal["predicted"])
 
 
 def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):

@@ -1,0 +1,76 @@
+"""The shortest time any scheduling policy could take on a trace: a lower bound, not a schedule.
+
+A ratio goal ("elastic is 1.4x colocate") can be out of reach for every policy. This computes the
+makespan of a relaxed problem in which everything a policy decides is free, and what cannot be
+decided away is kept. It holds for every policy the simulator can run (``controller/simulator.py``),
+on the same runs (``runs`` is consumed in the simulator's planning order: step, group, run):
+
+- step s's rollouts start no earlier than the update of step ``s - staleness - 1`` (the staleness
+  bound; ``scheduler.steps_to_plan``);
+- a run ends at ``min(launch_s + its segments, timeout_s)`` after launch or later (calls never go
+  faster than alone; stalls and reroutes only add), and is graded ``grade_s`` after it ends;
+- its microsteps reach the trainers when its group closes (Gyre's processor), or for
+  ``release="run"`` each run's share when that run is graded, as the simulator's what-if does;
+- step s trains at the weights of version s, so no microstep of s starts before step s-1 is
+  applied; each takes ``microstep_s`` at best, at most ``num_cells`` at once, and the cells doing
+  them do not outrun ``compute_slots`` in total;
+- the update is applied ``apply_s`` after its last microstep.
+
+Left out, so a real schedule pays them on top: role switches, weight and gradient transfers, the
+serving capacity that live runs hold (in a step's tail the next step's runs keep cells serving),
+and microsteps that do not divide evenly among cells more than once.
+"""
+
+from __future__ import annotations
+
+import math
+
+from controller.simulator import Release, RunSource
+from controller.traces import Trace
+
+EPS = 1e-9
+
+
+def makespan_bound(trace: Trace, runs: RunSource, *, release: Release = "group") -> float:
+    """Seconds to the trace's last update under the relaxation above; every policy takes at least this."""
+    if release not in ("group", "run"):
+        raise ValueError(f"release={release!r}: 'group' or 'run'")
+    wl, cc = trace.workload, trace.cells
+    applied: list[float] = []
+    for step in range(wl.steps):
+        start = applied[step - wl.staleness - 1] if step > wl.staleness else 0.0
+        arrivals: list[tuple[float, int]] = []  # (when microsteps reach the trainers, how many)
+        for g in range(wl.groups_per_step):
+            gid = f"s{step}-g{g}"
+            graded = sorted(start + min(wl.launch_s + sum(runs(f"{gid}-e{i}", step)), wl.timeout_s) + wl.grade_s
+                            for i in range(wl.group_size))
+            arrivals += _group_arrivals(graded, wl.microsteps_per_group, release)
+        previous = applied[-1] if applied else 0.0
+        applied.append(_train_end(arrivals, previous, cc.num_cells, cc.compute_slots, cc.microstep_s) + cc.apply_s)
+    return applied[-1]
+
+
+def _group_arrivals(graded: list[float], microsteps: int, release: Release) -> list[tuple[float, int]]:
+    """When a group's microsteps arrive: all at its last grade, or (``release="run"``) whole ones
+    as its runs' shares add up, the remainder at group close (the simulator's what-if rule)."""
+    if release == "group":
+        return [(graded[-1], microsteps)]
+    out, share, done = [], microsteps / len(graded), 0
+    for i, when in enumerate(graded[:-1], start=1):
+        ready = min(int(i * share + EPS), microsteps - 1)
+        if ready > done:
+            out.append((when, ready - done))
+            done = ready
+    return out + [(graded[-1], microsteps - done)]
+
+
+def _train_end(arrivals: list[tuple[float, int]], previous: float, cells: int, slots: int, microstep_s: float) -> float:
+    """The earliest the last microstep can end: for every arrival time t, the microsteps arriving
+    at t or later still have to run after max(t, previous), on at most ``cells`` cells (whole
+    microsteps each) and ``slots`` compute slots (their total rate)."""
+    end, left = previous, 0
+    for when, count in sorted(arrivals, reverse=True):
+        left += count
+        after = max(when, previous)
+        end = max(end, after + max(math.ceil(left / cells) * microstep_s, left * microstep_s / min(cells, slots)))
+    return end

@@ -1,0 +1,75 @@
+"""The lower bound on any policy's makespan: worked out by hand where a policy reaches it, never
+beaten by a simulated policy on our traces, and it moves with what it claims to depend on."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from controller.bounds import makespan_bound
+from controller.simulator import pool_source, simulate
+from controller.traces import load_trace
+from tests.controller.test_simulator import tiny
+
+TRACES = Path(__file__).resolve().parents[2] / "bench" / "traces"
+
+
+def test_tiny_bound_by_hand_is_what_async_reaches():
+    # launch 0.5 + call 1 + think 2 + grade 0.25 = 3.75, one microstep 3, apply 0.5: 7.25, the
+    # makespan test_simulator works out for async (its core is training before the shard is in).
+    trace = tiny()
+    assert makespan_bound(trace, pool_source(trace, 0)) == pytest.approx(7.25)
+    assert simulate(trace, "async").makespan_s == pytest.approx(7.25)
+
+
+def test_run_release_bound_by_hand_is_what_elastic_reaches():
+    # The what-if of test_simulator: runs graded at 3.75 and 21.75, a microstep each; the second
+    # runs 21.75..24.75, apply 0.5: 25.25, which elastic reaches. Group release: both after 21.75,
+    # on two cells at once: 21.75 + 3 + 0.5 = 25.25 too, but one cell does both when there is one.
+    def runs(execution_id: str, _step: int) -> tuple[float, ...]:
+        return (1.0, 2.0) if execution_id.endswith("e0") else (1.0, 20.0)
+
+    trace = tiny(workload=dataclasses.replace(tiny().workload, microsteps_per_group=2))
+    assert makespan_bound(trace, runs, release="run") == pytest.approx(25.25)
+    assert simulate(trace, "elastic", runs=runs, release="run").makespan_s == pytest.approx(25.25)
+    one_cell = dataclasses.replace(trace, cells=dataclasses.replace(trace.cells, num_cells=1, compute_slots=1))
+    assert makespan_bound(one_cell, runs) == pytest.approx(21.75 + 6 + 0.5)
+    assert makespan_bound(one_cell, runs, release="run") == pytest.approx(25.25)
+    with pytest.raises(ValueError, match="release"):
+        makespan_bound(trace, runs, release="shard")
+
+
+def test_staleness_and_timeout_move_the_bound():
+    # Two steps of one group; staleness 0 makes step 1 wait for step 0's update, staleness 1 not.
+    trace = tiny(workload=dataclasses.replace(tiny().workload, steps=2))
+    strict = makespan_bound(trace, pool_source(trace, 0))
+    assert strict == pytest.approx(2 * 7.25)
+    loose = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=1))
+    assert makespan_bound(loose, pool_source(loose, 0)) == pytest.approx(7.25 + 3.0 + 0.5)
+    cut = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, timeout_s=1.0))
+    assert makespan_bound(cut, pool_source(cut, 0)) == pytest.approx(2 * (1.0 + 0.25 + 3.0 + 0.5))
+
+
+def test_compute_slots_bound_the_cells_training_at_once():
+    # 4 microsteps on 4 cells: one round (3 s) if each cell has its own compute, two if 2 slots.
+    wl = dataclasses.replace(tiny().workload, microsteps_per_group=4)
+    four = tiny(workload=wl, cells=dataclasses.replace(tiny().cells, num_cells=4, compute_slots=4))
+    shared = dataclasses.replace(four, cells=dataclasses.replace(four.cells, compute_slots=2))
+    assert makespan_bound(four, pool_source(four, 0)) == pytest.approx(3.75 + 3 + 0.5)
+    assert makespan_bound(shared, pool_source(shared, 0)) == pytest.approx(3.75 + 6 + 0.5)
+
+
+@pytest.mark.parametrize("name", ["p2_4t", "nl2repo_122b", "deepswe_122b", "terminalbench_122b"])
+def test_no_policy_beats_the_bound_on_our_traces(name: str):
+    trace = load_trace(TRACES / f"{name}.json")
+    trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=8))
+    for release in ("group", "run"):
+        bound = makespan_bound(trace, pool_source(trace, 0), release=release)
+        for kind in ("elastic", "async", "colocate"):
+            made = simulate(trace, kind, seed=0, release=release).makespan_s
+            assert made >= bound - 1e-6, (name, release, kind, made, bound)
+        assert bound > 0
+    # Releasing runs as they are graded can only lower it.
+    assert makespan_bound(trace, pool_source(trace, 0), release="run") <= makespan_bound(trace, pool_source(trace, 0))

@@ -73,29 +73,23 @@ class LeaderTrainer:
         whole model: it starts from its peers' shards (``start_from_peers``)."""
         if weights is not None:
             raise ValueError("a multi-rank cell starts from its peers' shards (start_from_peers), not whole weights")
-        self.channel.send("start")
-        self.trainer.start(None)
-        if self.trainer.is_core:
-            self.links.weights.publish(self.trainer)
+        self._everywhere("start")
 
     def start_from_peers(self, addrs: list[str], *, min_version: int, timeout_s: float) -> int:
         """Satellite: every rank loads its peer's shard of the core (``cellrunner.rank_weights``);
         returns the version loaded."""
         if len(addrs) != dist.get_world_size():
             raise ValueError(f"the core publishes {len(addrs)} rank shards, this cell has {dist.get_world_size()} ranks")
-        self.channel.send("start_peers", min_version=min_version, addrs=list(addrs), timeout_s=float(timeout_s))
-        return self.links.weights.start(self.trainer, addrs, min_version=min_version, timeout_s=timeout_s,
-                                        channel=self.channel)
+        return self._everywhere("start_peers", min_version=min_version, addrs=list(addrs), timeout_s=float(timeout_s))
 
     def stop(self) -> None:
-        self.channel.send("stop")
-        self.trainer.stop()
+        self._everywhere("stop")
 
     def weights(self) -> FlatWeights:
-        self.channel.send("weights")
-        return self.trainer.weights()
+        return self._everywhere("weights")
 
     def microstep(self, shard: wire.Shard) -> MicrostepResult:
+        # The followers decode the shard; the leader has it already (one decode per microstep saved).
         self.channel.send("microstep", shard=wire.encode(shard))
         return self.trainer.microstep(shard)
 
@@ -104,26 +98,24 @@ class LeaderTrainer:
         world = dist.get_world_size()
         if len(addrs) != world:
             raise ValueError(f"the core has {len(addrs)} gradient inboxes, this cell {world} ranks: layouts differ")
-        self.channel.send("send_grads", step=step, cell_id=cell_id, addrs=list(addrs))
-        self.links.grads.send(self.trainer, addrs, cell_id=cell_id, step=step, agree=self.channel.all_ok)
+        self._everywhere("send_grads", step=step, cell_id=cell_id, addrs=list(addrs))
 
     def apply_grads(self, *, step: int, satellites: list[int], num_executions: int,
                     timeout_s: float) -> tuple[FlatWeights, float]:
-        self.channel.send("apply", step=step, satellites=list(satellites), num_executions=num_executions,
-                          timeout_s=float(timeout_s))
-        out = self.links.grads.apply(self.trainer, step=step, satellites=satellites, num_executions=num_executions,
-                                     timeout_s=timeout_s, agree=self.channel.all_ok)
-        self.links.weights.publish(self.trainer)
-        return out
+        return self._everywhere("apply", step=step, satellites=list(satellites), num_executions=num_executions,
+                                timeout_s=float(timeout_s))
 
     def save_checkpoint(self, directory: str) -> str:
-        self.channel.send("save_checkpoint", directory=str(directory))
-        return self.trainer.save_checkpoint(directory)
+        return self._everywhere("save_checkpoint", directory=str(directory))
 
     def restore(self, ckpt: Checkpoint) -> None:
-        self.channel.send("restore", path=str(ckpt.path), version=ckpt.version)
-        self.trainer.restore(ckpt)
-        self.links.weights.publish(self.trainer)
+        self._everywhere("restore", path=str(ckpt.path), version=ckpt.version)
+
+    def _everywhere(self, op: str, **args: Any) -> Any:
+        """Broadcast the command, then make the call here through the followers' own code path,
+        so every rank runs the same thing."""
+        self.channel.send(op, **args)
+        return run_command(self.trainer, self.channel, self.links, Command(op, args))
 
     def close(self) -> None:
         """Let the followers go (they exit their loop)."""
@@ -142,32 +134,34 @@ def follow(trainer: Any, channel: CommandChannel, links: RankLinks) -> None:
             log.exception("follower: %s failed", cmd.op)
 
 
-def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Command) -> None:
+def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Command) -> Any:
+    """One command on this rank (every rank of the cell runs it); returns the trainer's result."""
     a = cmd.args
     if cmd.op == "start":
         trainer.start(None)
         if trainer.is_core:
             links.weights.publish(trainer)
-    elif cmd.op == "start_peers":
-        links.weights.start(trainer, a["addrs"], min_version=a["min_version"], timeout_s=a["timeout_s"],
-                            channel=channel)
-    elif cmd.op == "stop":
-        trainer.stop()
-    elif cmd.op == "weights":
-        trainer.weights()
-    elif cmd.op == "microstep":
-        shard = wire.decode(a["shard"], expect=(wire.Shard,))
-        trainer.microstep(shard)
-    elif cmd.op == "send_grads":
-        links.grads.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
-    elif cmd.op == "apply":
-        links.grads.apply(trainer, step=a["step"], satellites=a["satellites"],
-                          num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
+        return None
+    if cmd.op == "start_peers":
+        return links.weights.start(trainer, a["addrs"], min_version=a["min_version"], timeout_s=a["timeout_s"],
+                                   channel=channel)
+    if cmd.op == "stop":
+        return trainer.stop()
+    if cmd.op == "weights":
+        return trainer.weights()
+    if cmd.op == "microstep":
+        return trainer.microstep(wire.decode(a["shard"], expect=(wire.Shard,)))
+    if cmd.op == "send_grads":
+        return links.grads.send(trainer, a["addrs"], cell_id=a["cell_id"], step=a["step"], agree=channel.all_ok)
+    if cmd.op == "apply":
+        out = links.grads.apply(trainer, step=a["step"], satellites=a["satellites"],
+                                num_executions=a["num_executions"], timeout_s=a["timeout_s"], agree=channel.all_ok)
         links.weights.publish(trainer)
-    elif cmd.op == "save_checkpoint":
-        trainer.save_checkpoint(a["directory"])
-    elif cmd.op == "restore":
+        return out
+    if cmd.op == "save_checkpoint":
+        return trainer.save_checkpoint(a["directory"])
+    if cmd.op == "restore":
         trainer.restore(Checkpoint(a["version"], Path(a["path"])))
         links.weights.publish(trainer)
-    else:  # decode_command admits only COMMANDS
-        raise AssertionError(cmd.op)
+        return None
+    raise AssertionError(cmd.op)  # decode_command admits only COMMANDS

@@ -4,6 +4,7 @@ Pure parts are checked directly; the parts that talk to Slurm (`scontrol show ho
 `sbatch --test-only`, a step's membership check under a real `srun`) run on the local cluster.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from controller import slurm_launch
 from controller.processes import StartError
 from cellrunner.ranks import ranks_from_env
 from controller.slurm_launch import SlurmCells, rank_env_of_task, split_cells, srun_argv
@@ -148,10 +150,6 @@ def test_each_rank_of_a_cell_binds_to_its_own_node(tmp_path, monkeypatch):
     """``host: auto``: every task writes its own copy of the cell's config with its node's address
     (each core rank binds a gradient inbox there); one shared copy would be rewritten by the tasks
     of the cell's other nodes at the same moment."""
-    import json
-
-    from controller import slurm_launch
-
     shared = tmp_path / "cellrunner.json"
     shared.write_text(json.dumps({"host": slurm_launch.AUTO_HOST, "cell": 1}))
     monkeypatch.setattr(slurm_launch, "resolve_host", lambda host: "10.0.0.1" if host == slurm_launch.AUTO_HOST else host)

@@ -25,10 +25,11 @@ free; the staleness bound, the timeout, the grading, the step order and the cell
 Colocate's or async's hours over it is the highest ratio a policy could reach on that trace, so a
 goal above it is out of reach for every policy, not just the one we have.
 
-What-if (``what_if_run_release``, never in the headline figures): the 2.4T-like trace and the
-calibrated embedded setup again with ``release="run"``, a processor that would release each run's
-share of its group's microsteps as soon as that run is graded (``controller/simulator.py`` says why
-that is possible and why it is an upper bound). Gyre's processor releases whole groups.
+Release: the calibration simulates the run's own ``algo.release`` (``group``: a group's microsteps
+come when it closes; ``run``: each run's as it is graded, the embedded trainer's run release).
+``what_if_run_release`` runs the 2.4T-like trace (and a group-release calibration) with
+``release="run"`` as well: a what-if there, never in the headline figures, because Megatron does
+not keep the per-execution gradients run release needs (``cellrunner/run_release.py``).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def embedded_setup(result: dict[str, Any]) -> dict[str, Any]:
         "scheduler": yaml.safe_load((conf / "scheduler" / "elastic.yaml").read_text()),
         "cluster": yaml.safe_load((conf / "cluster" / "local.yaml").read_text()),
         "trainer": yaml.safe_load((conf / "trainer" / "embedded.yaml").read_text()),
+        "algo": yaml.safe_load((conf / "algo" / "gspo.yaml").read_text()),
     }
     for item in result["config"]["overrides"]:
         key, _, value = item.partition("=")
@@ -221,9 +223,10 @@ def calibrate(path: Path | None) -> dict[str, Any]:
         trace, runs, assumed = embedded_trace(result)
     except (CalibrationError, TraceError, OSError, KeyError, TypeError) as exc:
         return {"error": None, "reason": f"cannot calibrate: {exc}"}
-    sims: dict[str, SimResult] = {k: simulate(trace, k, runs=runs) for k in POLICIES}
+    release = embedded_setup(result)["algo"].get("release", "group")
+    sims: dict[str, SimResult] = {k: simulate(trace, k, runs=runs, release=release) for k in POLICIES}
     predicted = _ratios(sims)
-    bound = makespan_bound(trace, runs)
+    bound = makespan_bound(trace, runs, release=release)
     measured = {k: result[k] for k in predicted}
     errors = {k: abs(predicted[k] - measured[k]) / measured[k] for k in predicted}
     return {
@@ -233,7 +236,9 @@ def calibrate(path: Path | None) -> dict[str, Any]:
         "result_file": str(path), "trace": dataclasses.asdict(trace.cells) | dataclasses.asdict(trace.workload),
         "assumed": assumed, "reason": "",
         "bound_s": bound, "ceiling": {f"elastic_vs_{k}": sims[k].makespan_s / bound for k in ("async", "colocate")},
-        "what_if_run_release": _ratios({k: simulate(trace, k, runs=runs, release="run") for k in POLICIES}),
+        "release": release,
+        "what_if_run_release": (None if release == "run" else
+                                _ratios({k: simulate(trace, k, runs=runs, release="run") for k in POLICIES})),
     }
 
 
@@ -276,16 +281,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cal["error"] is None:
         print(f"calibration: none ({cal['reason']})")
     else:
-        print(f"calibration against {cal['result_file']}: predicted {cal['predicted']}, measured {cal['measured']}, "
+        print(f"calibration against {cal['result_file']} (release={cal['release']}): predicted {cal['predicted']}, measured {cal['measured']}, "
               f"error {cal['error']:.3f}; no policy beats {cal['bound_s']:.1f} s there (ceilings "
               f"{cal['ceiling']['elastic_vs_async']:.2f}x / {cal['ceiling']['elastic_vs_colocate']:.2f}x)")
     what_if = what_if_run_release(args.traces, quick=args.quick, seed=args.seed)
     if what_if:
-        print(f"what-if, runs released as graded (upper bound, not Gyre's processor): p2_4t "
+        print(f"what-if, runs released as graded (Megatron keeps no per-execution gradients): p2_4t "
               f"{what_if['p2_4t_vs_async']:.2f}x vs async, {what_if['p2_4t_vs_colocate']:.2f}x vs colocate "
               f"(its bound {what_if['bound_h']:.2f} h: ceilings {what_if['ceiling_vs_async']:.2f}x / "
               f"{what_if['ceiling_vs_colocate']:.2f}x)"
-              + (f"; embedded predicted {cal['what_if_run_release']}" if cal["error"] is not None else ""))
+              + (f"; embedded predicted {cal['what_if_run_release']}" if cal.get("what_if_run_release") else ""))
     p24 = next((r for r in rows if r["trace"] == "p2_4t"), None)
     out = {
         "p2_4t_vs_async": p24["vs_async"] if p24 else None,

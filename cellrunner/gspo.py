@@ -74,15 +74,19 @@ class LossStats:
     num_targets: int
 
 
+def sequence_ratios(logprobs: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's s_i (with its graph), its policy tokens, and whether it has any, all [B]."""
+    mask = batch.target_mask
+    n_tok = mask.sum(dim=1)
+    log_ratio = ((logprobs - batch.behaviour_logprobs) * mask).sum(dim=1) / n_tok.clamp(min=1)
+    return torch.exp(log_ratio), n_tok, n_tok > 0
+
+
 def gspo_loss(
     logprobs: torch.Tensor, batch: PackedBatch, *, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, LossStats]:
     """Weighted sum (not mean) of per-sequence GSPO losses; see the module docstring."""
-    mask = batch.target_mask
-    n_tok = mask.sum(dim=1)
-    has = n_tok > 0
-    log_ratio = ((logprobs - batch.behaviour_logprobs) * mask).sum(dim=1) / n_tok.clamp(min=1)
-    ratio = torch.exp(log_ratio)
+    ratio, n_tok, has = sequence_ratios(logprobs, batch)
     adv = batch.advantages
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv

@@ -40,6 +40,7 @@ from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
+from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
 from controller import wire
 from controller.checkpoints import Checkpoint
@@ -224,18 +225,25 @@ class CellRunner:
             num_tokens=res.num_tokens, loss=res.loss, fb_s=res.fb_s,
         ))
 
+    def fold_groups(self, groups: list[wire.GroupStats]) -> float:
+        """Run-released gradients in, now that their groups are closed (only the embedded trainer
+        takes run-released shards; GyreConfig.check refuses algo.release=run with Megatron)."""
+        return self.trainer.fold_groups(groups) if isinstance(self.trainer, EmbeddedTrainer) else 0.0
+
     def on_send_grads(self, msg: wire.SendGrads) -> None:
         n = self.trainer.num_microsteps
+        late_loss = self.fold_groups(msg.groups)
         if isinstance(self.trainer, LeaderTrainer):
             self.trainer.send_grads(self.core_grads_addrs, cell_id=self.cell_id, step=msg.step)
         else:
             self.grads.send(self.trainer, self.core_grads_addrs, cell_id=self.cell_id, step=msg.step, agree=solo)
-        self.send(wire.GradsSent(cell_id=self.cell_id, step=msg.step, num_shards=n))
+        self.send(wire.GradsSent(cell_id=self.cell_id, step=msg.step, num_shards=n, late_loss=late_loss))
 
     def on_apply_step(self, msg: wire.ApplyStep) -> None:
         if not self.is_core or self.phase != "training":
             raise RuntimeError("apply_step needs the core cell in training")
         t0 = time.perf_counter()
+        late_loss = self.fold_groups(msg.groups)
         how = dict(step=msg.step, satellites=msg.satellite_cells, num_executions=msg.num_executions,
                    timeout_s=self.cfg.transfer_timeout_s)
         if isinstance(self.trainer, LeaderTrainer):
@@ -247,7 +255,7 @@ class CellRunner:
             log.info("core: checkpoint %s", self.trainer.save_checkpoint(self.cfg.checkpoint_dir))
         self.send(wire.StepApplied(
             cell_id=self.cell_id, step=msg.step, weight_version=weights.version,
-            grad_norm=norm, apply_s=time.perf_counter() - t0,
+            grad_norm=norm, apply_s=time.perf_counter() - t0, late_loss=late_loss,
         ))
 
     def on_shutdown(self, msg: wire.Shutdown) -> None:

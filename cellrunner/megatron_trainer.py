@@ -369,6 +369,8 @@ class MegatronTrainer:
 
     def microstep(self, shard: Shard) -> MicrostepResult:
         assert self.model is not None, "microstep before start()"
+        if shard.run_released:  # GyreConfig.check refuses the combination; a stray shard is refused here
+            raise ValueError(f"shard {shard.shard_id} is run-released: trainer=megatron needs algo.release=group")
         t0 = time.perf_counter()
         chunks = split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep)
         batches = [pack(c) for c in chunks[self.dp_rank :: self.dp_size]]  # this DP rank's share

@@ -19,11 +19,17 @@ from cellrunner.checkpoint import Checkpoint, load_optimizer_state, load_weights
 from cellrunner.config import ModelConfig
 from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import FlatWeights, build_model, flatten_grads, flatten_params, load_flat
+from cellrunner.run_release import RunReleasedGrads
 from cellrunner.tree_pack import packed_token_logprobs, tree_chunks
-from controller.wire import Sequence, Shard
+from controller.wire import GroupStats, Sequence, Shard
 from trajectory.config import AlgoConfig
 
 log = logging.getLogger(__name__)
+
+
+_SECOND_PASS = 2.0 / 3.0
+"""A second backward pass over a run-released chunk (cellrunner.run_release), in forward-backwards:
+backward is about two thirds of one."""
 
 
 @dataclass
@@ -65,6 +71,8 @@ class EmbeddedTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = -1
         self.num_microsteps = 0
+        self.run_released = RunReleasedGrads(eps_low=algo.eps_low, eps_high=algo.eps_high)
+        """Gradients of run-released shards, kept apart until ``fold_groups`` (cellrunner.run_release)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -79,6 +87,7 @@ class EmbeddedTrainer:
             self.version = weights.version
         self.model.train()
         self.model.zero_grad(set_to_none=True)
+        self.run_released.clear()
         self.num_microsteps = 0
         if self.is_core and self.optimizer is None:
             b1, b2 = self.algo.betas
@@ -90,6 +99,7 @@ class EmbeddedTrainer:
         """Satellites drop everything; the core keeps weights and optimizer state (it owns them)."""
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
+        self.run_released.clear()
         if not self.is_core:
             self.model = None  # freed by reference counting; a full gc.collect() cost ~1.5 s a switch
             self.version = -1
@@ -123,6 +133,7 @@ class EmbeddedTrainer:
         t0 = time.perf_counter()
         total_loss, num_tokens, ratios, clips, n = 0.0, 0, 0.0, 0.0, 0
         sequences = list(shard.sequences)
+        device_tokens = float(sum(len(s.tokens) for s in sequences))  # what the emulated device computes
         if self.algo.tree_packing:
             chunks = tree_chunks(sequences, self.algo.max_tokens_per_microstep)
         else:
@@ -133,16 +144,25 @@ class EmbeddedTrainer:
                 logprobs = packed_token_logprobs(self.model, chunk, targets_only=True)
             else:
                 logprobs = token_logprobs(self.model, batch)
+            num_tokens += batch.num_targets
+            n += len(chunk)
+            if shard.run_released:  # no advantage yet: keep the gradient apart (run_release.py)
+                passes, mean_ratio, outside = self.run_released.add(
+                    list(self.model.parameters()), logprobs, batch, execution_id=chunk[0].execution_id,
+                    group_id=shard.group_id, reward=float(shard.reward),
+                )
+                ratios += mean_ratio * len(chunk)
+                clips += outside * len(chunk)
+                device_tokens += _SECOND_PASS * max(passes - 1, 0) * sum(len(s.tokens) for s in chunk)
+                continue
             loss, stats = gspo_loss(logprobs, batch, eps_low=self.algo.eps_low, eps_high=self.algo.eps_high)
             loss.backward()
             total_loss += stats.loss
-            num_tokens += stats.num_targets
             ratios += stats.mean_ratio * len(chunk)
             clips += stats.clip_fraction * len(chunk)
-            n += len(chunk)
         if self.device_s_per_token > 0:
             # the emulated accelerator: sleep (no CPU) until the device would have finished
-            left = self.device_s_per_token * sum(len(s.tokens) for s in sequences) - (time.perf_counter() - t0)
+            left = self.device_s_per_token * device_tokens - (time.perf_counter() - t0)
             if left > 0:
                 time.sleep(left)
         self.num_microsteps += 1
@@ -154,9 +174,19 @@ class EmbeddedTrainer:
             clip_fraction=clips / max(n, 1),
         )
 
+    def fold_groups(self, groups: list[GroupStats]) -> float:
+        """Fold the run-released gradients in now that their groups' advantages are known (before
+        ``take_grads`` / ``apply``); returns the loss they add."""
+        if not len(self.run_released):
+            return 0.0
+        assert self.model is not None
+        return self.run_released.fold(list(self.model.parameters()), groups)
+
     def take_grads(self) -> np.ndarray:
         """The summed gradient of every microstep since the last call, flat; then zero it."""
         assert self.model is not None
+        if len(self.run_released):
+            raise RuntimeError("gradients asked for before the run-released ones were folded in")
         flat = flatten_grads(self.model)
         self.model.zero_grad(set_to_none=True)
         self.num_microsteps = 0
@@ -170,6 +200,8 @@ class EmbeddedTrainer:
     def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
         """Core only: combine gradients, mean over executions, clip, AdamW step -> next version."""
         assert self.is_core and self.model is not None and self.optimizer is not None
+        if len(self.run_released):
+            raise RuntimeError("apply before the run-released gradients were folded in")
         total = flatten_grads(self.model)
         for g in satellite_grads:
             if g.shape != total.shape:

@@ -115,6 +115,10 @@ class GyreConfig:
         if self.cluster.ranks_per_node > 1 and not isinstance(self.trainer, MegatronConfig):
             raise ValueError(f"cluster.ranks_per_node={self.cluster.ranks_per_node}: trainer={self.trainer.kind} "
                              "is one process per cell; several ranks per node need trainer=megatron")
+        if self.algo.release == "run" and isinstance(self.trainer, MegatronConfig):
+            raise ValueError("algo.release=run keeps a gradient-sized buffer per execution until its group "
+                             "closes, which the embedded trainer does and trainer=megatron does not: set "
+                             "algo.release=group")
         if self.scheduler.kind == "async" and not 1 <= self.scheduler.train_cells < self.cluster.num_cells:
             raise ValueError("scheduler.train_cells: async needs 1..num_cells-1 training cells")
         if self.workload.max_new_tokens > self.proxy.max_new_tokens_cap:

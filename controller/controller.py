@@ -316,13 +316,13 @@ class Controller:
 
     def on_grads_sent(self, ident: bytes, msg: wire.GradsSent) -> None:
         if self._cell(ident, msg.cell_id) is not None:
-            self.steps.on_grads_sent(msg.cell_id, msg.step)
+            self.steps.on_grads_sent(msg.cell_id, msg.step, msg.late_loss)
 
     def on_step_applied(self, ident: bytes, msg: wire.StepApplied) -> None:
         core = self._cell(ident, msg.cell_id)
         if core is None:
             return
-        st = self.steps.on_step_applied(msg.step, msg.weight_version)
+        st = self.steps.on_step_applied(msg.step, msg.weight_version, msg.late_loss)
         core.weight_version = msg.weight_version
         now = time.monotonic()
         if st.mean_reward is not None:

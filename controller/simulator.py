@@ -8,12 +8,11 @@ a trace, killed at the timeout), the proxy (sticky least-loaded routing among th
 the execution's step may use (the floor in its token); a call whose cell leaves serving moves to another one and pays
 ``reroute_s``; with no such cell a call waits) and the processor (a group's shards come ``grade_s`` after its last run ends).
 
-``release="run"`` is a what-if, not the processor Gyre has: each run's share of its group's
-microsteps comes ``grade_s`` after *that run* ends. GSPO's loss is linear in the advantage, so a
-trainer could take a run's gradient at the step's weights once it is graded, keep sum(r_i g_i) and
-sum(g_i) per group, and scale them at group close by (r_i - mean) / std. That is exact only for
-sequences inside the clip band (the others' sign decides), so the figure is an upper bound on what
-such a processor buys.
+``release="run"`` is ``algo.release=run`` (``cellrunner/run_release.py``): each run's share of its
+group's microsteps comes ``grade_s`` after *that run* ends, and the cell applies the advantage
+when the group closes (exact: GSPO's loss is linear in the advantage once its sign is known, so
+the cell keeps a gradient per execution). Only the embedded trainer keeps those buffers; at the
+2.4T-like scale (Megatron) the figure is a what-if.
 
 The loop around them mirrors ``controller/controller.py``: plan steps within the staleness bound,
 launch queued executions while the serving cells have room, apply ``decide``'s switches, hand

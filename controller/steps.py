@@ -1,9 +1,11 @@
 """Step coordination: shards in, microsteps out to training cells, gradients combined, versions.
 
 Step ``s`` turns weight version ``s`` into ``s + 1``. Its shards stream in from the processor as
-groups complete; each goes to a training cell holding version ``s`` as soon as one is free. When
-every group of the step is in and every shard is done, satellites push their gradient sums to
-the core, and the core applies the update. No tensor passes through here: only ids and counts.
+groups complete (or, with ``algo.release=run``, as each execution is graded); each goes to a
+training cell holding version ``s`` as soon as one is free. When every group of the step is in and
+every shard is done, satellites push their gradient sums to the core, and the core applies the
+update; both orders carry every group's ``GroupStats``, which turn run-released gradients into
+advantage-weighted ones. No tensor passes through here: only ids, counts and group statistics.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from controller.checkpoints import due
-from controller.wire import ApplyStep, GroupDone, RunMicrostep, SendGrads, Shard
+from controller.wire import ApplyStep, GroupDone, GroupStats, RunMicrostep, SendGrads, Shard
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,8 @@ class StepState:
     groups_dropped: int = 0
     num_executions: int = 0
     rewards: list[float] = field(default_factory=list)
+    groups: dict[str, GroupStats] = field(default_factory=dict)
+    """Each closed group's advantage statistics (or ``dropped``), for the cells' run-released shards."""
     ready: deque[Shard] = field(default_factory=deque)
     running: dict[str, tuple[int, Shard]] = field(default_factory=dict)  # shard_id -> (cell, shard)
     done_by_cell: dict[int, list[Shard]] = field(default_factory=dict)
@@ -67,6 +71,9 @@ class StepCoordinator:
         if st is None or shard.step < self.version:
             log.error("shard %s for step %d which is not open (version %d); dropped", shard.shard_id, shard.step, self.version)
             return
+        if not _trainable(st, shard):
+            log.info("shard %s of dropped group %s: not trained", shard.shard_id, shard.group_id)
+            return
         st.ready.append(shard)
 
     def on_group_done(self, msg: GroupDone) -> bool:
@@ -76,8 +83,13 @@ class StepCoordinator:
             log.error("group %s for unknown step %d", msg.group_id, msg.step)
             return False
         st.groups_done += 1
+        st.groups[msg.group_id] = GroupStats(
+            group_id=msg.group_id, mean_reward=msg.mean_reward or 0.0, adv_divisor=msg.adv_divisor,
+            dropped=bool(msg.dropped),
+        )
         if msg.dropped:
             st.groups_dropped += 1
+            st.ready = deque(s for s in st.ready if _trainable(st, s))  # its run-released shards
             return True
         st.num_executions += msg.num_usable
         if msg.mean_reward is not None:
@@ -94,13 +106,15 @@ class StepCoordinator:
         st.loss += loss
         st.num_tokens += num_tokens
 
-    def on_grads_sent(self, cell_id: int, step: int) -> None:
+    def on_grads_sent(self, cell_id: int, step: int, late_loss: float = 0.0) -> None:
         st = self.steps.get(step)
         if st is not None:
             st.grads_sent.add(cell_id)
+            st.loss += late_loss
 
-    def on_step_applied(self, step: int, version: int) -> StepState:
+    def on_step_applied(self, step: int, version: int, late_loss: float = 0.0) -> StepState:
         st = self.steps.pop(step)
+        st.loss += late_loss
         self.version = version
         return st
 
@@ -110,10 +124,12 @@ class StepCoordinator:
             for sid, (cell, shard) in list(st.running.items()):
                 if cell == cell_id:
                     del st.running[sid]
-                    st.ready.appendleft(shard)
+                    if _trainable(st, shard):
+                        st.ready.appendleft(shard)
             if cell_id not in st.grads_sent:
                 for shard in st.done_by_cell.pop(cell_id, []):
-                    st.ready.appendleft(shard)
+                    if _trainable(st, shard):
+                        st.ready.appendleft(shard)
                 st.grads_wanted.discard(cell_id)
 
     # -- outputs ------------------------------------------------------------------------------
@@ -160,11 +176,17 @@ class StepCoordinator:
         satellites = {c for c in st.done_by_cell if c != self.core_cell}
         for cell in sorted(satellites - st.grads_wanted):
             st.grads_wanted.add(cell)
-            out.append((cell, SendGrads(step=st.step)))
+            out.append((cell, SendGrads(step=st.step, groups=list(st.groups.values()))))
         if core_training and st.grads_wanted <= st.grads_sent:
             st.apply_sent = True
             out.append((self.core_cell, ApplyStep(
                 step=st.step, satellite_cells=sorted(st.grads_sent), num_executions=st.num_executions,
-                checkpoint=due(st.step + 1, self.checkpoint_every),
+                checkpoint=due(st.step + 1, self.checkpoint_every), groups=list(st.groups.values()),
             )))
         return out
+
+
+def _trainable(st: StepState, shard: Shard) -> bool:
+    """False for a run-released shard whose group was dropped: its gradient would be thrown away."""
+    stats = st.groups.get(shard.group_id) if shard.run_released else None
+    return stats is None or not stats.dropped

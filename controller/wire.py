@@ -144,6 +144,8 @@ class GradsSent(Message):
     cell_id: int
     step: int
     num_shards: int
+    late_loss: float = 0.0
+    """The loss of run-released shards, known only now that their groups' advantages are."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +156,8 @@ class StepApplied(Message):
     weight_version: int
     grad_norm: float
     apply_s: float
+    late_loss: float = 0.0
+    """The loss of the core's run-released shards (see ``GradsSent.late_loss``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,16 +239,55 @@ class Sequence(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shard(Message):
-    """A microstep's data: whole executions of one step, complete and advantage-weighted."""
+    """A microstep's data: whole executions of one step, complete and advantage-weighted.
+
+    A *run-released* shard (``reward`` set, ``algo.release=run``) holds one execution, sent as
+    soon as it is graded, before its group's advantages exist: its sequences carry advantage 0,
+    ``reward`` is the execution's, and the cell keeps its gradient apart until ``GroupStats``
+    for ``group_id`` turns the reward into the advantage (see ``cellrunner.run_release``).
+    """
 
     TAG: ClassVar[str] = "shard"
     step: int
     shard_id: str
     num_executions: int
     sequences: list[Sequence]
+    group_id: str = ""
+    reward: float | None = None
+
+    @property
+    def run_released(self) -> bool:
+        return self.reward is not None
 
     def check(self) -> None:
         _non_negative(step=self.step, num_executions=self.num_executions)
+        if self.reward is None:
+            return
+        _finite("reward", self.reward)
+        if not self.group_id:
+            raise ValueError("group_id: a run-released shard names its group")
+        if self.num_executions > 1 or len({s.execution_id for s in self.sequences}) > 1:
+            raise ValueError("sequences: a run-released shard holds exactly one execution")
+        if any(s.advantage != 0.0 for s in self.sequences):
+            raise ValueError("sequences: a run-released shard's advantages are 0 until its group closes")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupStats(Message):
+    """What turns a group's rewards into advantages: ``A = (reward - mean_reward) / adv_divisor``,
+    0 for every member when ``adv_divisor`` is 0 (equal rewards). ``dropped``: the group is not
+    trained; gradients kept for its run-released shards are thrown away."""
+
+    TAG: ClassVar[str] = "group_stats"
+    group_id: str
+    mean_reward: float
+    adv_divisor: float
+    dropped: bool = False
+
+    def check(self) -> None:
+        _finite("mean_reward", self.mean_reward)
+        _finite("adv_divisor", self.adv_divisor)
+        _non_negative(adv_divisor=self.adv_divisor)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,6 +302,8 @@ class SendGrads(Message):
 
     TAG: ClassVar[str] = "send_grads"
     step: int
+    groups: list[GroupStats] = field(default_factory=list)
+    """Every group of the step, closed: the cell folds its run-released gradients in first."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,6 +318,8 @@ class ApplyStep(Message):
     num_executions: int
     checkpoint: bool = False
     """Then save the new version's weights and optimizer state (the controller's checkpoint policy)."""
+    groups: list[GroupStats] = field(default_factory=list)
+    """As ``SendGrads.groups``: the core folds its own run-released gradients in before applying."""
 
     def check(self) -> None:
         for c in self.satellite_cells:
@@ -357,6 +404,9 @@ class GroupDone(Message):
     num_usable: int
     mean_reward: float | None
     dropped: str = ""
+    adv_divisor: float = 0.0
+    """std + adv_eps of the usable rewards (``trajectory.advantages.group_stats``); 0 when every
+    advantage is 0. With ``mean_reward`` it makes a group's advantages from its members' rewards."""
 
 
 # ---------------------------------------------------------------- data plane: proxy -> processor
@@ -511,7 +561,7 @@ MESSAGES: dict[str, type[Message]] = {
     cls.TAG: cls
     for cls in (
         Hello, CellReady, Heartbeat, RoleSwitched, MicrostepDone, GradsSent, StepApplied,
-        WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, RunMicrostep,
+        WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, GroupStats, RunMicrostep,
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionSealed, PullWeights, TensorSpec,
         WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked,

@@ -13,15 +13,28 @@ import math
 from collections.abc import Sequence
 
 
-def group_advantages(rewards: Sequence[float], *, adv_eps: float) -> list[float]:
+def group_stats(rewards: Sequence[float], *, adv_eps: float) -> tuple[float, float]:
+    """(mean, divisor) of a group: ``advantage(r, mean, divisor)`` is each member's advantage.
+
+    The divisor is ``std + adv_eps``, or 0 when every advantage is 0 (equal rewards, an empty
+    group, or rewards differing only below float resolution). A run-released cell gets these two
+    numbers in ``GroupStats`` and computes the very advantages a whole-group shard would carry.
+    """
     if adv_eps < 0:
         raise ValueError(f"adv_eps: want >= 0, got {adv_eps}")
     if not rewards:
-        return []
-    if min(rewards) == max(rewards):
-        return [0.0] * len(rewards)
+        return 0.0, 0.0
     mean = math.fsum(rewards) / len(rewards)
+    if min(rewards) == max(rewards):
+        return mean, 0.0
     std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
-    if std + adv_eps == 0:  # rewards differing only below float resolution
-        return [0.0] * len(rewards)
-    return [(r - mean) / (std + adv_eps) for r in rewards]
+    return mean, std + adv_eps
+
+
+def advantage(reward: float, mean: float, divisor: float) -> float:
+    return (reward - mean) / divisor if divisor != 0 else 0.0
+
+
+def group_advantages(rewards: Sequence[float], *, adv_eps: float) -> list[float]:
+    mean, divisor = group_stats(rewards, adv_eps=adv_eps)
+    return [advantage(r, mean, divisor) for r in rewards]

@@ -28,6 +28,11 @@ class AlgoConfig:
     tree-shaped attention mask instead of every chain in full (same log-probs, fewer FLOPs)."""
     max_trajectories_per_execution: int
     """Bounded sampling: at most this many trajectories of one execution are trained (by priority)."""
+    release: Literal["group", "run"] = "group"
+    """When an execution's data may train. ``group``: in shards with advantages, once its whole
+    group is graded. ``run``: as soon as it is graded, with advantages applied when the group
+    closes (the same update, exactly: cellrunner.run_release). ``run`` keeps a gradient-sized
+    buffer per execution on the cell that trained it, so only the embedded trainer takes it."""
 
     def check(self) -> None:
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):

@@ -6,8 +6,9 @@ Three layers, each testable alone:
   decoded messages and return the messages to send (``ShardReady``..., ``GroupDone``,
   ``ErrorReply``).
 - ``ProcessorService`` — decodes frames, appends the valid ones to the ``AppendLog`` *before*
-  processing them, rebuilds the state from the log on start, and logs a marker for a group
-  right before its messages go out, so a restart does not send them again.
+  processing them, rebuilds the state from the log on start, and logs a marker for a group (or
+  a run-released execution) right before its messages go out, so a restart does not send them
+  again.
 - ``serve`` — the ZMQ loop: PULL bound for records (from the proxy), DEALER connected to the
   controller (``Hello``, then ``Grade`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
 
@@ -17,15 +18,25 @@ grader failures (reward None) are excluded and counted, never a reward of 0. ``G
 marks an eval execution: its records are discarded and it joins no group. A group is complete
 when each of its ``group_size`` members has a Grade and an ExecutionSealed (they come on
 different sockets, in any order). With fewer than ``min_usable`` usable executions it is dropped
-(``GroupDone(dropped="too_few_usable")``); else its shards go out, then ``GroupDone``.
+(``GroupDone(dropped="too_few_usable")``); else its shards go out, then ``GroupDone`` (with
+``mean_reward`` and ``adv_divisor``, from which each member's advantage follows).
+
+Run release (``algo.release="run"``). A usable train execution's shards go out the moment it has
+both its Grade and its ExecutionSealed, without waiting for its group: one execution per shard,
+advantage 0, ``reward`` and ``group_id`` set (``trajectory.run_release``); its token tree is then
+freed and later records for it are late. The group's completion sends only its ``GroupDone``,
+always after every shard of the group; a dropped group's shards have already gone out, and the
+controller and cells discard them on ``dropped``.
 
 Delivery. Records and seals are deduplicated by ``(execution_id, call_id)``, grades by
 execution, so a proxy or controller may resend after a restart. A group's marker is durable
 before its first message is handed to ZMQ, so whoever saw a ``GroupDone`` never sees that group
 again; a group completed in the log without a marker (killed before sending) is sent after the
-restart. The window left is the reverse one: killed after the marker but before ZMQ's I/O thread
-wrote the frames to the kernel (microseconds), the group is lost. Closing it needs an
-acknowledgement from the controller, which the wire protocol does not have yet.
+restart. A run-released execution has a marker of its own, with the same guarantees: its shards
+are sent once, whenever its group completes. The window left is the reverse one: killed after
+the marker but before ZMQ's I/O thread wrote the frames to the kernel (microseconds), the group
+(or execution) is lost. Closing it needs an acknowledgement from the controller, which the wire
+protocol does not have yet.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 import zmq
@@ -54,9 +65,11 @@ from controller.wire import (
     decode,
     encode,
 )
-from trajectory.advantages import group_advantages
+from controller.wire import Sequence as TrainingSequence
+from trajectory.advantages import advantage, group_stats
 from trajectory.config import AlgoConfig
-from trajectory.log import AppendLog, decode_marker, encode_marker
+from trajectory.log import AppendLog, Marker, decode_marker, encode_marker
+from trajectory.run_release import EXECUTION_SENT_MARKER, released_execution, run_released_shards
 from trajectory.samples import build_sequences, pack_shards
 from trajectory.sampling import select
 from trajectory.tree import TokenTree
@@ -66,6 +79,7 @@ log = logging.getLogger(__name__)
 USABLE_OUTCOMES = ("finished", "timed_out")
 DROPPED_TOO_FEW_USABLE = "too_few_usable"
 GROUP_DONE_MARKER = "group_done"
+_MARKER_FIELDS = {GROUP_DONE_MARKER: "group_id", EXECUTION_SENT_MARKER: "execution_id"}
 
 
 @dataclass
@@ -93,6 +107,10 @@ class Counters:
     num_groups_dropped: int = 0
     num_groups_replayed: int = 0
     """Completed again while replaying the log, but already sent before the restart: not rebuilt."""
+    num_executions_released: int = 0
+    """Run release: executions whose shards went out before their group closed."""
+    num_executions_replayed: int = 0
+    """Run release: released again while replaying the log, but already sent: not rebuilt."""
     num_shards: int = 0
     num_sequences: int = 0
     num_targets: int = 0
@@ -100,6 +118,10 @@ class Counters:
     def metrics(self) -> dict[str, int]:
         """Slash-named counters (sum across processors)."""
         return {f"trajectory/{f.name.removeprefix('num_')}": getattr(self, f.name) for f in fields(self)}
+
+
+def _usable(grade: Grade) -> bool:
+    return grade.outcome in USABLE_OUTCOMES and grade.reward is not None
 
 
 @dataclass
@@ -128,6 +150,7 @@ class Processor:
         if algo.max_tokens_per_microstep < 1:
             raise ValueError("max_tokens_per_microstep: want >= 1")
         self.algo = algo
+        self.run_release = algo.release == "run"
         self.min_usable = min_usable
         self.max_trajectories = max_trajectories
         self.counters = Counters()
@@ -136,6 +159,7 @@ class Processor:
         self._done_executions: set[str] = set()
         self._done_groups: set[str] = set()
         self._sent_before: set[str] = set()
+        self._released_before: set[str] = set()
 
     # ------------------------------------------------------------------ inputs
 
@@ -194,7 +218,8 @@ class Processor:
         if not ex.grade.train:
             self._forget_execution(sealed.execution_id)
             return []
-        return self._maybe_complete(self._groups[ex.grade.group_id])
+        group = self._groups[ex.grade.group_id]
+        return self._maybe_release(sealed.execution_id) + self._maybe_complete(group)
 
     def on_grade(self, grade: Grade) -> list[Message]:
         eid = grade.execution_id
@@ -228,11 +253,13 @@ class Processor:
         self._groups[grade.group_id] = group
         group.members[eid] = grade
         self._execution(eid).grade = grade
-        return self._maybe_complete(group)
+        return self._maybe_release(eid) + self._maybe_complete(group)
 
-    def expect_sent_before(self, group_ids: set[str]) -> None:
-        """Groups a replay will complete again whose messages already went out: skip building them."""
+    def expect_sent_before(self, group_ids: set[str], execution_ids: Iterable[str] = ()) -> None:
+        """Groups a replay will complete again (and, run release, executions it will release
+        again) whose messages already went out: skip building them."""
         self._sent_before |= group_ids
+        self._released_before.update(execution_ids)
 
     def mark_group_done(self, group_id: str) -> None:
         """Forget a group whose messages already went out (a replayed marker)."""
@@ -255,7 +282,7 @@ class Processor:
     def _maybe_complete(self, group: _Group) -> list[Message]:
         if len(group.members) < group.group_size:
             return []
-        if any(self._executions[eid].sealed is None for eid in group.members):
+        if not all(self._is_sealed(eid) for eid in group.members):
             return []
         if group.group_id in self._sent_before:
             self._sent_before.discard(group.group_id)
@@ -268,7 +295,7 @@ class Processor:
 
     def _assemble(self, group: _Group) -> list[Message]:
         grades = sorted(group.members.values(), key=lambda g: g.execution_id)
-        usable = [g for g in grades if g.outcome in USABLE_OUTCOMES and g.reward is not None]
+        usable = [g for g in grades if _usable(g)]
         for g in grades:
             if g.outcome == "crashed":
                 self.counters.num_excluded_crashed += 1
@@ -286,21 +313,11 @@ class Processor:
                 group_id=group.group_id, step=group.step, num_usable=len(usable),
                 mean_reward=mean_reward, dropped=DROPPED_TOO_FEW_USABLE,
             )]
-        advantages = group_advantages(rewards, adv_eps=self.algo.adv_eps)
-        per_execution = []
-        for g, advantage in zip(usable, advantages):
-            tree = self._executions[g.execution_id].tree
-            assert tree is not None  # train executions keep their tree
-            kept = select(tree.trajectories(), max_trajectories=self.max_trajectories)
-            sequences = build_sequences(g.execution_id, kept, advantage=advantage)
-            if not sequences:
-                self.counters.num_empty_executions += 1
-            per_execution.append(sequences)
-        shards = pack_shards(
-            group_id=group.group_id, step=group.step, per_execution=per_execution,
-            max_tokens=self.algo.max_tokens_per_microstep,
-        )
-        self._count_emitted(shards)
+        mean, divisor = group_stats(rewards, adv_eps=self.algo.adv_eps)
+        # Run release: the members' shards already went out; the cells apply mean and divisor.
+        shards = [] if self.run_release else self._group_shards(group, usable, mean, divisor)
+        self.counters.num_groups_emitted += 1
+        self._count_shards(shards)
         log.info(
             "group %s (step %d) done: %d usable of %d, mean reward %.4f, %d shard(s)",
             group.group_id, group.step, len(usable), group.group_size, mean_reward, len(shards),
@@ -308,11 +325,60 @@ class Processor:
         out: list[Message] = [ShardReady(shard=s) for s in shards]
         out.append(GroupDone(
             group_id=group.group_id, step=group.step, num_usable=len(usable), mean_reward=mean_reward,
+            adv_divisor=divisor,
         ))
         return out
 
-    def _count_emitted(self, shards: list[Shard]) -> None:
-        self.counters.num_groups_emitted += 1
+    def _group_shards(self, group: _Group, usable: list[Grade], mean: float, divisor: float) -> list[Shard]:
+        per_execution = [
+            self._sequences(g.execution_id, advantage(g.reward, mean, divisor))
+            for g in usable
+            if g.reward is not None
+        ]
+        return pack_shards(
+            group_id=group.group_id, step=group.step, per_execution=per_execution,
+            max_tokens=self.algo.max_tokens_per_microstep,
+        )
+
+    def _sequences(self, execution_id: str, adv: float) -> list[TrainingSequence]:
+        tree = self._executions[execution_id].tree
+        assert tree is not None  # train executions keep their tree until their data is built
+        kept = select(tree.trajectories(), max_trajectories=self.max_trajectories)
+        sequences = build_sequences(execution_id, kept, advantage=adv)
+        if not sequences:
+            self.counters.num_empty_executions += 1
+        return sequences
+
+    # ------------------------------------------------------------------ run release
+
+    def _maybe_release(self, execution_id: str) -> list[Message]:
+        """Run release: a train execution graded and sealed sends its data now (when usable).
+
+        Either way it is done with: its tree is freed (the group keeps its grade), and what
+        still arrives for it is late.
+        """
+        ex = self._executions[execution_id]
+        if not self.run_release or ex.grade is None or ex.sealed is None:
+            return []
+        grade = ex.grade
+        if not _usable(grade):  # counted when its group completes
+            self._forget_execution(execution_id)
+            return []
+        if execution_id in self._released_before:
+            self._released_before.discard(execution_id)
+            self.counters.num_executions_replayed += 1
+            self._forget_execution(execution_id)
+            return []
+        sequences = self._sequences(execution_id, 0.0)
+        self._forget_execution(execution_id)
+        if not sequences:
+            return []
+        shards = run_released_shards(grade, sequences, max_tokens=self.algo.max_tokens_per_microstep)
+        self.counters.num_executions_released += 1
+        self._count_shards(shards)
+        return [ShardReady(shard=s) for s in shards]
+
+    def _count_shards(self, shards: list[Shard]) -> None:
         self.counters.num_shards += len(shards)
         for shard in shards:
             self.counters.num_sequences += len(shard.sequences)
@@ -325,6 +391,10 @@ class Processor:
         if ex is None:
             ex = self._executions[execution_id] = _Execution(tree=TokenTree(execution_id))
         return ex
+
+    def _is_sealed(self, execution_id: str) -> bool:
+        """Sealed, or (run release) already done with: forgotten only once graded and sealed."""
+        return execution_id in self._done_executions or self._executions[execution_id].sealed is not None
 
     def _forget_execution(self, execution_id: str) -> None:
         self._executions.pop(execution_id, None)
@@ -353,17 +423,22 @@ class ProcessorService:
         return self.processor.counters
 
     def replay(self) -> list[Message]:
-        """Rebuild state from the log; return the messages still owed (groups without a marker)."""
-        owed: dict[str, list[Message]] = {}
-        self.processor.expect_sent_before(self._sent_group_ids())
+        """Rebuild state from the log; return the messages still owed (those without a marker).
+
+        Owed messages keep their log order, so a group's run-released shards precede its
+        ``GroupDone``.
+        """
+        owed: dict[tuple[str, str], list[Message]] = {}
+        sent = self._sent_before()
+        self.processor.expect_sent_before(
+            {i for kind, i in sent if kind == GROUP_DONE_MARKER},
+            {i for kind, i in sent if kind == EXECUTION_SENT_MARKER},
+        )
         for payload in self.log.replay():
             try:
                 marker = decode_marker(payload)
                 if marker is not None:
-                    if marker.kind == GROUP_DONE_MARKER:
-                        group_id = str(marker.fields.get("group_id"))
-                        owed.pop(group_id, None)
-                        self.processor.mark_group_done(group_id)
+                    self._replay_marker(marker, owed)
                     continue
                 msg = decode(payload, expect=self.RECORD_MESSAGES + (Grade,))
             except ValueError as exc:  # ProtocolError is a ValueError
@@ -372,21 +447,32 @@ class ProcessorService:
             _collect_by_group(self.processor.on_message(msg), owed)
         messages = [m for outs in owed.values() for m in outs]
         log.info(
-            "replayed %d log entries: %d group(s) already sent, %d open group(s), %d open "
-            "execution(s), %d group(s) owed", self.log.num_entries, self.counters.num_groups_replayed,
+            "replayed %d log entries: %d group(s) and %d execution(s) already sent, %d open "
+            "group(s), %d open execution(s), %d group(s) or execution(s) owed", self.log.num_entries,
+            self.counters.num_groups_replayed, self.counters.num_executions_replayed,
             self.processor.num_open_groups, self.processor.num_open_executions, len(owed),
         )
         return messages
 
-    def _sent_group_ids(self) -> set[str]:
+    def _replay_marker(self, marker: Marker, owed: dict[tuple[str, str], list[Message]]) -> None:
+        key = _marker_key(marker)
+        if key is None:
+            return
+        owed.pop(key, None)
+        if key[0] == GROUP_DONE_MARKER:
+            self.processor.mark_group_done(key[1])
+
+    def _sent_before(self) -> set[tuple[str, str]]:
+        """The (marker kind, id) of everything the log says went out."""
         sent = set()
         for payload in self.log.scan():
             try:
                 marker = decode_marker(payload)
             except ValueError:
                 continue  # counted when the replay meets it
-            if marker is not None and marker.kind == GROUP_DONE_MARKER:
-                sent.add(str(marker.fields.get("group_id")))
+            key = _marker_key(marker) if marker is not None else None
+            if key is not None:
+                sent.add(key)
         return sent
 
     def on_record_frames(self, frames: Sequence[bytes]) -> list[Message]:
@@ -421,11 +507,12 @@ class ProcessorService:
         """Log (durably) that these messages are about to go out, so a restart does not resend them.
 
         Call it before sending: a duplicate ``ShardReady`` / ``GroupDone`` would be counted twice.
+        One marker per group and per run-released execution (however many shards it has), in
+        message order, so a marker that survives a torn tail implies every earlier one did.
         """
+        keys = [k for k in map(_sent_key, messages) if k is not None]
         markers = [
-            encode_marker(GROUP_DONE_MARKER, group_id=m.group_id)
-            for m in messages
-            if isinstance(m, GroupDone)
+            encode_marker(kind, **{_MARKER_FIELDS[kind]: id_}) for kind, id_ in dict.fromkeys(keys)
         ]
         self.log.append_many(markers)
 
@@ -441,15 +528,34 @@ class ProcessorService:
         return out
 
 
-def _collect_by_group(messages: list[Message], owed: dict[str, list[Message]]) -> None:
-    """Group ``ShardReady``s with the ``GroupDone`` that follows them (one group per call)."""
+def _collect_by_group(messages: list[Message], owed: dict[tuple[str, str], list[Message]]) -> None:
+    """Key messages by the marker that will say they went out: a group's ``ShardReady``s with the
+    ``GroupDone`` that follows them (one group per call), run-released shards by execution."""
     pending: list[Message] = []
     for m in messages:
-        if isinstance(m, GroupDone):
-            owed[m.group_id] = pending + [m]
-            pending = []
-        elif isinstance(m, ShardReady):
+        key = _sent_key(m)
+        if isinstance(m, ShardReady) and key is None:
             pending.append(m)
+        elif isinstance(m, GroupDone):
+            owed[(GROUP_DONE_MARKER, m.group_id)] = pending + [m]
+            pending = []
+        elif key is not None:  # a run-released shard: its execution's marker covers it
+            owed.setdefault(key, []).append(m)
+
+
+def _sent_key(m: Message) -> tuple[str, str] | None:
+    """(marker kind, id) of the marker logged when ``m`` goes out; None when it has none."""
+    if isinstance(m, GroupDone):
+        return (GROUP_DONE_MARKER, m.group_id)
+    if isinstance(m, ShardReady) and (execution_id := released_execution(m.shard)) is not None:
+        return (EXECUTION_SENT_MARKER, execution_id)
+    return None
+
+
+def _marker_key(marker: Marker) -> tuple[str, str] | None:
+    """(kind, id) of a logged marker, as ``_sent_key`` names it; None for an unknown kind."""
+    name = _MARKER_FIELDS.get(marker.kind)
+    return None if name is None else (marker.kind, str(marker.fields.get(name)))
 
 
 # ---------------------------------------------------------------------- the ZMQ loop

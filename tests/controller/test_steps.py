@@ -75,3 +75,47 @@ def test_the_core_is_told_to_checkpoint_by_the_policy():
     # every=3: versions 3 and 6 are saved, i.e. after steps 2 and 5; every=0: never mid-run.
     assert [apply_of(s, 3).checkpoint for s in range(6)] == [False, False, True, False, False, True]
     assert not any(apply_of(s, 0).checkpoint for s in range(4))
+
+
+def run_shard(step, gid, eid):
+    seq = wire.Sequence(execution_id=eid, tokens=[1, 2], target_mask=[0, 1], behaviour_logprobs=[0, -1.0],
+                        advantage=0.0, token_weight=1.0)
+    return wire.Shard(step=step, shard_id=f"{gid}/{eid}", num_executions=1, sequences=[seq], group_id=gid, reward=1.0)
+
+
+def test_run_released_shards_stream_before_their_group_and_the_orders_carry_its_stats():
+    sc = StepCoordinator(core_cell=0, total_steps=1)
+    sc.plan(0, 2)
+    sc.on_shard(run_shard(0, "a", "e1"))
+    sc.on_shard(run_shard(0, "b", "e2"))
+    sc.on_shard(run_shard(0, "b", "e3"))
+    assert [c for c, _ in sc.assign([0, 1])] == [0, 1]  # no group has closed yet
+    sc.on_microstep_done(0, 0, "a/e1", 0.0, 1)
+    sc.on_microstep_done(1, 0, "b/e2", 0.0, 1)
+    sc.on_group_done(wire.GroupDone(group_id="a", step=0, num_usable=2, mean_reward=0.25, adv_divisor=0.5))
+    # group b is dropped: its shard still waiting is not trained; the trained one is thrown away
+    sc.on_group_done(done(0, "b", dropped="too_few_usable"))
+    assert not sc.current.ready
+    (cell, send), = sc.finish(core_training=True)
+    want = {"a": (0.25, 0.5, False), "b": (0.5, 0.0, True)}
+    assert cell == 1 and {g.group_id: (g.mean_reward, g.adv_divisor, g.dropped) for g in send.groups} == want
+    sc.on_grads_sent(1, 0, late_loss=0.5)
+    (cell, apply), = sc.finish(core_training=True)
+    assert cell == 0 and {g.group_id for g in apply.groups} == {"a", "b"} and apply.num_executions == 2
+    assert wire.decode(wire.encode(apply)) == apply
+    assert sc.on_step_applied(0, 1, late_loss=0.25).loss == 0.75
+
+
+def test_a_lost_cell_gives_back_run_released_shards_but_not_those_of_dropped_groups():
+    sc = StepCoordinator(core_cell=0, total_steps=1)
+    sc.plan(0, 2)
+    sc.on_shard(run_shard(0, "a", "e1"))
+    sc.on_shard(run_shard(0, "b", "e2"))
+    sc.assign([1, 2])
+    sc.on_microstep_done(1, 0, "a/e1", 0.0, 1)
+    sc.on_group_done(done(0, "b", dropped="too_few_usable"))
+    sc.on_cell_lost(1)
+    sc.on_cell_lost(2)
+    assert [s.shard_id for s in sc.current.ready] == ["a/e1"]
+    sc.on_shard(run_shard(0, "b", "e3"))  # late, for a dropped group
+    assert [s.shard_id for s in sc.current.ready] == ["a/e1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_a_group_completes_only_with_every_grade_and_seal(order: str) -> None:
     out = p.on_message(stream[-1])
     (shard,) = shards_of(out)
     assert (shard.shard_id, shard.step, shard.num_executions) == ("g", 0, 3)
-    assert out[-1] == GroupDone(group_id="g", step=0, num_usable=3, mean_reward=0.5)
+    assert out[-1] == GroupDone(group_id="g", step=0, num_usable=3, mean_reward=0.5, adv_divisor=pytest.approx(math.sqrt(1 / 6) + 1e-6))
     adv = {s.execution_id: s.advantage for s in shard.sequences}
     assert adv["g-e0"] > 0 > adv["g-e1"] and adv["g-e2"] == 0.0
     assert p.num_open_groups == 0 and p.num_open_executions == 0
@@ -97,7 +98,7 @@ def test_grader_failure_and_crash_are_excluded_not_zero() -> None:
     adv = {s.execution_id: s.advantage for s in shard.sequences}
     # Over the usable rewards [1.0, 0.5] only: +-1. Had the failure counted as 0, e1 would be > 0.
     assert adv["g-e0"] == pytest.approx(1.0, abs=1e-4) and adv["g-e1"] == pytest.approx(-1.0, abs=1e-4)
-    assert out[-1] == GroupDone(group_id="g", step=0, num_usable=2, mean_reward=0.75)
+    assert out[-1] == GroupDone(group_id="g", step=0, num_usable=2, mean_reward=0.75, adv_divisor=pytest.approx(0.25 + 1e-6))
     assert (p.counters.num_excluded_grade_failed, p.counters.num_excluded_crashed) == (1, 1)
 
 

@@ -310,13 +310,15 @@ class Controller:
 
     def on_microstep_done(self, ident: bytes, msg: wire.MicrostepDone) -> None:
         if self._cell(ident, msg.cell_id) is not None:
-            self.steps.on_microstep_done(msg.cell_id, msg.step, msg.shard_id, msg.loss, msg.num_tokens)
+            shard = self.steps.on_microstep_done(msg.cell_id, msg.step, msg.shard_id, msg.loss, msg.num_tokens)
             self.metrics.log("microstep", t=time.monotonic() - self.t0, cell=msg.cell_id, step=msg.step,
-                             fb_s=msg.fb_s, num_tokens=msg.num_tokens)
+                             fb_s=msg.fb_s, num_tokens=msg.num_tokens,
+                             run_released=shard is not None and shard.run_released)
 
     def on_grads_sent(self, ident: bytes, msg: wire.GradsSent) -> None:
         if self._cell(ident, msg.cell_id) is not None:
             self.steps.on_grads_sent(msg.cell_id, msg.step, msg.late_loss)
+            self.metrics.log("grads_sent", t=time.monotonic() - self.t0, cell=msg.cell_id, step=msg.step)
 
     def on_step_applied(self, ident: bytes, msg: wire.StepApplied) -> None:
         core = self._cell(ident, msg.cell_id)

@@ -96,15 +96,17 @@ class StepCoordinator:
             st.rewards.append(msg.mean_reward)
         return False
 
-    def on_microstep_done(self, cell_id: int, step: int, shard_id: str, loss: float, num_tokens: int) -> None:
+    def on_microstep_done(self, cell_id: int, step: int, shard_id: str, loss: float, num_tokens: int) -> Shard | None:
+        """The shard that cell finished (None, logged, if it was not assigned to it)."""
         st = self.steps.get(step)
         if st is None or shard_id not in st.running:
             log.error("microstep %s of step %d from cell %d was not assigned", shard_id, step, cell_id)
-            return
+            return None
         _, shard = st.running.pop(shard_id)
         st.done_by_cell.setdefault(cell_id, []).append(shard)
         st.loss += loss
         st.num_tokens += num_tokens
+        return shard
 
     def on_grads_sent(self, cell_id: int, step: int, late_loss: float = 0.0) -> None:
         st = self.steps.get(step)

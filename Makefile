@@ -71,6 +71,8 @@ bench: venv litellm
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
 	$(BIN)/python -m bench.elastic
+	$(BIN)/python -m bench.elastic --release run --async-splits '' --runs-dir runs/bench-elastic-run
+	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic-run/result.json
 	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic/result.json
 
 # The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in its own venv, on a GPU node.

@@ -316,6 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--async-splits", default="2,3",
                     help="extra async runs with scheduler.train_cells=K (the plain async run uses the conf's)")
+    ap.add_argument("--release", choices=("group", "run"), default=None,
+                    help="algo.release for every policy (default: conf/algo/gspo.yaml's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more Hydra override for every policy (repeatable), e.g. workload.harness_nice=19")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to run gyre from")
     ap.add_argument("--runs-dir", type=Path, default=None, help="default: <root>/runs/bench-elastic")
     ap.add_argument("--out", type=Path, default=None, help="result file; default <runs-dir>/result.json")
@@ -325,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--policies: a comma list of {POLICIES}")
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     overrides = QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound else BENCH_OVERRIDES
+    if args.release:
+        overrides = (*overrides, f"algo.release={args.release}")
+    overrides = (*overrides, *args.set)
     runs_dir = (args.runs_dir or args.root / "runs" / "bench-elastic").resolve()
     staleness = 1  # conf/scheduler/*.yaml: the same bound for all three policies
     results = {}

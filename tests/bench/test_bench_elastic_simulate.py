@@ -56,7 +56,10 @@ def test_simulate_refuses_a_file_that_is_not_a_result(tmp_path: Path, capsys: py
 
 def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     result = tmp_path / "result.json"
-    out = last_json(capsys, elastic.main, ["--quick", "--runs-dir", str(tmp_path / "runs"), "--out", str(result)])
+    # run release, so every policy's real run takes executions' data as they are graded
+    out = last_json(capsys, elastic.main, ["--quick", "--release", "run", "--runs-dir", str(tmp_path / "runs"),
+                                           "--out", str(result)])
+    assert "algo.release=run" in out["config"]["overrides"]
     assert {"elastic_vs_async", "elastic_vs_colocate", "elastic_s", "async_s", "colocate_s", "staleness_ok",
             "calibration", "config", "host"} <= set(out)
     assert finite(out["elastic_vs_async"]) and finite(out["elastic_vs_colocate"])
@@ -74,6 +77,8 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
         assert finite(cal["error"]) and set(cal["predicted"]) == {"elastic_vs_async", "elastic_vs_colocate"}
         assert cal["bound_s"] <= min(cal["predicted_s"].values())
         assert all(cal["ceiling"][k] >= cal["predicted"][k] for k in cal["predicted"])
+        assert cal["release"] == "run" and cal["what_if_run_release"] is None  # simulated as it ran
+        assert set(cal["own_microstep_s"]) == {"elastic", "async", "colocate"} and finite(cal["error_own"])
 
 
 def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):

@@ -50,6 +50,11 @@ def test_cross_package_checks():
     assert load("cluster.ranks_per_node=8", "trainer=megatron").cluster.ranks_per_node == 8
     with pytest.raises(ConfigError, match="dist_port"):
         load("cluster.dist_port=80")
+    with pytest.raises(ConfigError, match="set algo.release=group"):
+        load("trainer=megatron", "algo.release=run")
+    assert load("algo.release=run").algo.release == "run"
+    with pytest.raises(ConfigError, match="release"):
+        load("algo.release=sometimes")
 
 
 def test_backends_are_groups_and_kind_picks_the_typed_config():

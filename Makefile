@@ -70,8 +70,8 @@ bench: venv litellm
 	$(BIN)/python -m bench.proxy
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
-	$(BIN)/python -m bench.elastic
-	$(BIN)/python -m bench.elastic --release run --async-splits '' --runs-dir runs/bench-elastic-run
+	$(BIN)/python -m bench.elastic --scale 2
+	$(BIN)/python -m bench.elastic --scale 2 --release run --async-splits '' --runs-dir runs/bench-elastic-run
 	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic-run/result.json
 	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic/result.json
 

@@ -1,6 +1,7 @@
 """Elastic vs async vs colocate on the real embedded system: time to the same number of steps.
 
     .venv/bin/python -m bench.elastic [--quick | --cpu-bound] [--steps N] [--policies elastic,async,colocate]
+                                      [--release group|run] [--scale K] [--set KEY=VALUE ...]
                                       [--out runs/bench-elastic/result.json] [--root DIR]
 
 Each policy runs once, in turn, as a real ``gyre`` (``python -m controller.main`` with Hydra
@@ -41,6 +42,7 @@ from trajectory.log import AppendLog, decode_marker
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("elastic", "async", "colocate")
 RUN_TIMEOUT_S = 900
+"""Per run, times ``--scale``."""
 
 # The workload: what every policy runs. Think time is long-tailed (log-normal, sigma 1, median
 # 1.5 s over 3 calls) and runs past 10 s are killed and graded as they are (many near the
@@ -83,12 +85,31 @@ QUICK_OVERRIDES = (
 QUICK_STEPS = 2
 
 
+SCALED_KEYS = ("trainer.device_s_per_token", "workload.timeout_s", "workload.think_time.median_s",
+               "workload.think_time.max_s")
+"""``--scale K`` multiplies these: the emulated device's pace and the harnesses' time together, so
+the workload keeps its shape (training against the rollout tail) while the real CPU work a step
+needs (harness start-ups, the serving engine's compute, the microsteps' own forward-backward)
+is spread over K times the wall time. On a slow or loaded 2-core machine that real work can
+otherwise outlast the pace, and the bench measures the CPU instead of the scheduler."""
+
+
+def scaled(overrides: tuple[str, ...], k: float) -> tuple[str, ...]:
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in SCALED_KEYS:
+            value = repr(float(value) * k)
+        out.append(f"{key}={value}")
+    return tuple(out)
+
+
 class BenchError(RuntimeError):
     pass
 
 
 def run_policy(policy: str, *, root: Path, runs_dir: Path, steps: int, overrides: tuple[str, ...],
-               label: str = "") -> Path:
+               label: str = "", timeout_s: float = RUN_TIMEOUT_S) -> Path:
     """Run gyre once; return its run directory. ``label`` names the run (default: the policy)."""
     label = label or policy
     args = [sys.executable, "-m", "controller.main", f"scheduler={policy}", f"run.steps={steps}",
@@ -98,7 +119,7 @@ def run_policy(policy: str, *, root: Path, runs_dir: Path, steps: int, overrides
     env = {**os.environ, "PYTHONPATH": str(root)}
     t0 = time.monotonic()
     with open(log_path, "wb") as out:
-        proc = subprocess.run(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         raise BenchError(f"{policy}: gyre exited {proc.returncode}; see {log_path}:\n{text[-2000:]}")
@@ -318,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="extra async runs with scheduler.train_cells=K (the plain async run uses the conf's)")
     ap.add_argument("--release", choices=("group", "run"), default=None,
                     help="algo.release for every policy (default: conf/algo/gspo.yaml's)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply the device pace, think time and timeout by this (SCALED_KEYS)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more Hydra override for every policy (repeatable), e.g. workload.harness_nice=19")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to run gyre from")
@@ -329,6 +352,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--policies: a comma list of {POLICIES}")
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     overrides = QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound else BENCH_OVERRIDES
+    if args.scale <= 0:
+        ap.error("--scale: want > 0")
+    overrides = scaled(overrides, args.scale) if args.scale != 1.0 else overrides
     if args.release:
         overrides = (*overrides, f"algo.release={args.release}")
     overrides = (*overrides, *args.set)
@@ -336,18 +362,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     staleness = 1  # conf/scheduler/*.yaml: the same bound for all three policies
     results = {}
     for policy in policies:
-        run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, overrides=overrides)
+        run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, overrides=overrides,
+                             timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale))
         results[policy] = measure(policy, run_dir, steps=steps, staleness=staleness)
     splits = [int(k) for k in args.async_splits.split(",") if k] if "async" in policies and not args.quick else []
     for k in splits:
         label = f"async-{k}"
         run_dir = run_policy("async", root=args.root, runs_dir=runs_dir, steps=steps, label=label,
+                             timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale),
                              overrides=(*overrides, f"scheduler.train_cells={k}"))
         results[label] = measure("async", run_dir, steps=steps, staleness=staleness)
     if not args.quick and not all(r["think_time_applied"] for r in results.values()):
         raise BenchError("the harness ran without think time: controller/executions.py must pass "
                          "workload.think_time to workloads.harness (--think-* arguments)")
     config = {"steps": steps, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
+              "scale": args.scale,
               "quick": args.quick, "cpu_bound": args.cpu_bound, "root": str(args.root)}
     out = summarise(results, config=config, launch_s=harness_start_s(args.root))
     out_path = args.out or runs_dir / "result.json"

@@ -108,3 +108,12 @@ def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):
     draws = [simulate.draw([1.0, 2.0, 4.0], f"e{i}") for i in range(200)]
     assert all(1.0 <= d <= 4.0 for d in draws) and draws == [simulate.draw([1.0, 2.0, 4.0], f"e{i}") for i in range(200)]
     assert min(draws) < 1.5 and max(draws) > 3.0  # spread over the whole range
+
+
+def test_scale_stretches_the_pace_and_the_harness_times_together():
+    out = dict(o.partition("=")[::2] for o in elastic.scaled(elastic.BENCH_OVERRIDES, 2.0))
+    base = dict(o.partition("=")[::2] for o in elastic.BENCH_OVERRIDES)
+    for key in elastic.SCALED_KEYS:
+        assert float(out[key]) == 2.0 * float(base[key])
+    assert {k: v for k, v in out.items() if k not in elastic.SCALED_KEYS} == {
+        k: v for k, v in base.items() if k not in elastic.SCALED_KEYS}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.wire import GroupDone, Message, Sequence, Shard, ShardReady, decode, encode
+from controller.wire import GroupDone, Message, Sequence, Shard, decode, encode
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, algo, grade
 from tests.trajectory.test_processor import feed, frames_of, group_messages, processor, shards_of
 from trajectory.advantages import advantage

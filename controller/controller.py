@@ -499,7 +499,15 @@ class Controller:
                 planned=self.planned_steps, per_step=self.cfg.workload.groups_per_step * self.cfg.workload.group_size,
             ) if self.stage == "train" else 0,
             steps_left=self.cfg.run.steps - self.steps.version,
+            grading_groups=self.grading_groups(),
         )
+
+    def grading_groups(self) -> int:
+        """Groups of the trainable step whose runs all ended and whose GroupDone is not in yet."""
+        st = self.steps.current
+        if st is None or self.stage != "train":
+            return 0
+        return len(self.executions.ended_groups(st.step) - st.groups.keys())
 
     def apply_schedule(self, now: float) -> None:
         for sw in decide(self.scheduler_view(), self.cfg.scheduler):

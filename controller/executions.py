@@ -103,6 +103,17 @@ class ExecutionManager:
     def count(self, state: ExecState) -> int:
         return sum(1 for ex in self.executions.values() if ex.state == state)
 
+    def ended_groups(self, step: int) -> set[str]:
+        """Training groups of ``step`` with every run ended: their data is on its way to training."""
+        live: set[str] = set()
+        seen: set[str] = set()
+        for ex in self.executions.values():
+            if ex.train and ex.step == step:
+                seen.add(ex.group_id)
+                if ex.live:
+                    live.add(ex.group_id)
+        return seen - live
+
     def queued(self) -> list[Execution]:
         return [ex for ex in self.executions.values() if ex.state == "queued"]
 

@@ -10,11 +10,13 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
 - ``elastic`` (water level), in order of precedence:
   1. running work is never left without serving capacity: while the serving cells cannot hold
      the running executions, idle training cells turn back, satellites first, the core last;
-  2. the core trains whenever the trainable step has training work: queued (not yet started)
+  2. the core trains whenever the trainable step has training work, or will have within the
+     grading time (``grading_groups``: groups whose runs have all ended): queued (not yet started)
      executions wait for it rather than the other way round, and ``launch_room`` stops filling
      the core while it is due to train, so its running work drains and it can go;
   3. satellites beyond what all live work (queued + running) needs train, as many as there are
-     microsteps for them; an idle training satellite stays (a switch costs minutes on a cluster)
+     microsteps for them, counting one for each group being graded (the switch then overlaps
+     the grading: near the timeout a step's runs end together and its data comes at once); an idle training satellite stays (a switch costs minutes on a cluster)
      until live work needs it back. In the step's tail (its rollouts all in, no microstep left to
      hand out) live work counts the rollouts its update will release (``queued_at_apply``), so a
      satellite with nothing left to train is serving when they launch instead of starting its
@@ -66,6 +68,9 @@ class SchedulerView:
     queued_at_apply: int = 0
     """Executions the trainable step's update will queue: the next step's rollouts, which the
     staleness bound holds until it lands (``executions_at_apply``)."""
+    grading_groups: int = 0
+    """Groups of the trainable step whose runs have all ended and whose grades are not in yet: at
+    least a microstep each, due within the grading time."""
     steps_left: int | None = None
     """Weight versions still to train (0 once the last update is applied). ``None``: the caller
     does not say, and the run counts as over once nothing is live, pending or in demand, which
@@ -159,7 +164,8 @@ def _movable(c: CellView) -> bool:
 
 
 def _core_due(view: SchedulerView) -> bool:
-    return view.train_demand > 0
+    """The trainable step has work for the core now, or within the grading time."""
+    return view.train_demand > 0 or view.grading_groups > 0
 
 
 def _water_level(view: SchedulerView, cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:
@@ -184,7 +190,7 @@ def _hold_live_work(view: SchedulerView, cfg: SchedulerConfig, n: int, serving: 
     """Rule 1: running work first (and all live work when nothing is left to train); idle
     satellites come back before the core."""
     short = running_need(view, cfg, n) - len(serving)
-    if view.train_demand <= 0:
+    if not _core_due(view):
         short = max(short, serving_need(view, cfg, n) - len(serving))
     back = sorted((c for c in training if _movable(c)), key=lambda c: (c.is_core, -c.trained_s, c.cell_id))
     return [Switch(c.cell_id, "serve") for c in back[: max(0, short)]]
@@ -216,7 +222,7 @@ def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core:
     spare = len(sat_serving) - max(live_need, running_need(view, cfg, n))
     # The pending update (counted in train_demand once the rollouts are in) is the core's, and
     # the core takes one microstep itself.
-    microsteps = view.train_demand - (1 if view.step_rollouts_done else 0)
+    microsteps = view.train_demand - (1 if view.step_rollouts_done else 0) + view.grading_groups
     wanted = microsteps - (1 if core_trains else 0) - len(sat_training)
     if spare > 0 and wanted > 0:
         order = sorted((c for c in sat_serving if _movable(c)), key=lambda c: (c.num_running, c.trained_s, c.cell_id))

@@ -356,7 +356,15 @@ class Simulation:
                                                 total_steps=self.wl.steps, planned=self.planned,
                                                 per_step=self.wl.groups_per_step * self.wl.group_size),
             steps_left=self.wl.steps - self.steps.version,
+            grading_groups=self.grading_groups(),
         )
+
+    def grading_groups(self) -> int:
+        """Groups of the trainable step whose runs all ended, their shards still to come."""
+        st = self.steps.current
+        if st is None:
+            return 0
+        return sum(1 for g in self.groups.values() if g[0].step == st.step and all(e.state == "ended" for e in g))
 
     def apply_schedule(self) -> None:
         for sw in decide(self.view(), self.cfg):

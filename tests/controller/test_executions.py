@@ -107,3 +107,23 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
         ex.spawning.result().kill()
         ex.spawning.result().wait()
         silent.close()
+
+
+def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
+    cfg = workload()
+    task = make_tasks(cfg)[0][0]
+    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url="http://127.0.0.1:9", model_name="m",
+                           secret=b"k" * 32)
+    a = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=2)
+    b = mgr.plan_group(step=0, group_id="s0-g1", task=task, train=True, temperature=1.0, size=2)
+    mgr.plan_group(step=1, group_id="s1-g0", task=task, train=True, temperature=1.0, size=1)
+    mgr.plan_group(step=0, group_id="eval-0", task=task, train=False, temperature=0.0, size=1)
+    assert mgr.ended_groups(0) == set()
+    for ex in a + b[:1]:
+        ex.move("running")
+        ex.move("timed_out")
+    assert mgr.ended_groups(0) == {"s0-g0"}  # s0-g1 still has a queued run; eval groups never count
+    b[1].move("running")
+    b[1].move("crashed")
+    assert mgr.ended_groups(0) == {"s0-g0", "s0-g1"}
+    assert mgr.ended_groups(1) == set()

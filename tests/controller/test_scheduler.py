@@ -15,10 +15,10 @@ def cell(i, role="serve", phase=None, core=False, busy=False, running=0, trained
     return CellView(cell_id=i, role=role, phase=phase, is_core=core, busy=busy, num_running=running, trained_s=trained)
 
 
-def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0):
+def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0, grading=0):
     return SchedulerView(cells=tuple(cells), queued=queued, running=running, rollouts_pending=pending,
                          train_demand=demand, step_rollouts_done=done, ready_microsteps=ready,
-                         queued_at_apply=at_apply)
+                         queued_at_apply=at_apply, grading_groups=grading)
 
 
 def moves(out):
@@ -53,6 +53,26 @@ def test_elastic_core_keeps_training_while_queued_work_waits_for_it():
 def test_elastic_idle_core_serves_queued_work_when_nothing_is_left_to_train():
     cells = [cell(0, "train", core=True), cell(1), cell(2), cell(3)]
     assert moves(decide(view(cells, queued=8, running=12, demand=0), cfg())) == {(0, "serve")}
+
+
+def test_elastic_switches_while_the_steps_last_groups_are_graded():
+    # Near the timeout a step's runs end together; its data comes a grading time later. Three
+    # groups are being graded, 8 runs (of the next step) need 2 cells: the core and the one spare
+    # satellite start their switch now instead of when the first shard lands.
+    cells = [cell(0, core=True), cell(1), cell(2), cell(3)]
+    assert decide(view(cells, running=8), cfg()) == []
+    assert moves(decide(view(cells, running=8, grading=3), cfg())) == {(0, "train"), (1, "train")}
+    # One group being graded is a microstep for the core alone.
+    assert moves(decide(view(cells, running=8, grading=1), cfg())) == {(0, "train")}
+    # Live work still comes first: 16 runs need every serving cell.
+    assert decide(view(cells, running=16, grading=3), cfg()) == []
+
+
+def test_elastic_core_waits_in_training_for_groups_being_graded():
+    cells = [cell(0, "train", core=True), cell(1), cell(2), cell(3)]
+    # Queued work would take the idle core back (the next test's case), but its data is due.
+    assert moves(decide(view(cells, queued=8, running=12), cfg())) == {(0, "serve")}
+    assert decide(view(cells, queued=8, running=12, grading=2), cfg()) == []
 
 
 def test_elastic_idle_satellite_stays_training_until_live_work_needs_it():

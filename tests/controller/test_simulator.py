@@ -28,12 +28,12 @@ def tiny(**changes) -> Trace:
 
 
 def test_tiny_makespans_by_hand():
-    # elastic and colocate: launch 0.5 + call 1 + think 2 + grade 0.25 = 3.75 the shard is in; both
-    # turn the core to training (0.5), one microstep (3), apply (0.5): 7.75. Elastic sends no
-    # satellite for a single microstep; colocate sends both cells, one idles.
-    for kind in ("elastic", "colocate"):
-        r = simulate(tiny(), kind)
-        assert r.makespan_s == pytest.approx(7.75), kind
+    # launch 0.5 + call 1 + think 2 = 3.5 the run ends, + grade 0.25 = 3.75 the shard is in.
+    # colocate turns its cells to training then (0.5), one microstep (3), apply (0.5): 7.75.
+    # elastic turns the core while the group is graded (3.5 + 0.5 = 4.0), so 4.0 + 3 + 0.5 = 7.5;
+    # it sends no satellite for a single microstep; colocate sends both cells, one idles.
+    assert simulate(tiny(), "colocate").makespan_s == pytest.approx(7.75)
+    assert simulate(tiny(), "elastic").makespan_s == pytest.approx(7.5)
     assert simulate(tiny(), "elastic").switches == (1, 0)
     assert simulate(tiny(), "colocate").switches == (1, 1)  # the run ends at the last update
     # async: its core turns to training at t=0 (done at 0.5, while the harness starts), so the
@@ -47,7 +47,8 @@ def test_timeout_cuts_a_run_and_the_group_waits_for_it():
     trace = tiny(executions=((1.0, 50.0),), workload=dataclasses.replace(tiny().workload, timeout_s=5.0))
     r = simulate(trace, "elastic")
     assert r.num_timed_out == 2
-    assert r.makespan_s == pytest.approx(5.0 + 0.25 + 0.5 + 3.0 + 0.5)  # cut at 5 s after launch
+    # Cut at 5 s after launch; the core's switch (0.5) covers the grading (0.25).
+    assert r.makespan_s == pytest.approx(5.0 + 0.5 + 3.0 + 0.5)
 
 
 def test_what_if_runs_release_their_microsteps_as_they_are_graded():
@@ -68,9 +69,10 @@ def test_what_if_runs_release_their_microsteps_as_they_are_graded():
 
 
 def test_calls_share_the_compute_slots_with_microsteps():
-    # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 in.
+    # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 the runs
+    # end; then the core's switch (covering the grading), its microstep and the apply.
     trace = tiny(cells=dataclasses.replace(tiny().cells, compute_slots=1))
-    assert simulate(trace, "elastic").makespan_s == pytest.approx(4.5 + 0.25 + 0.5 + 3.0 + 0.5)
+    assert simulate(trace, "elastic").makespan_s == pytest.approx(4.5 + 0.5 + 3.0 + 0.5)
 
 
 def test_every_call_is_stamped_with_the_version_that_made_it():

@@ -22,7 +22,8 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
      satellite with nothing left to train is serving when they launch instead of starting its
      switch then: the next step's rollouts are on the critical path;
   4. ``min_serving_cells`` stand by for rollouts to come, except when nothing is live and the
-     trainable step's rollouts are all in: then no rollout can start before its update lands.
+     trainable step's rollouts are all in or being graded: then no rollout can start before its
+     update lands.
 - ``async``: fixed pools; the core and the next ``train_cells - 1`` cells train, the rest serve.
 - ``colocate``: everyone serves until the trainable step's rollouts are all in, then everyone
   trains (running executions wait for a serving cell meanwhile).
@@ -149,9 +150,11 @@ def _cells_for(num_executions: int, view: SchedulerView, cfg: SchedulerConfig, n
 
 
 def _update_gates_rollouts(view: SchedulerView) -> bool:
-    """Nothing is live and the trainable step's rollouts are all in: no rollout can start before
-    its update lands (the staleness bound), so no cell needs to stand by serving."""
-    return view.queued + view.running == 0 and view.step_rollouts_done and view.train_demand > 0
+    """Nothing is live and the trainable step's rollouts are all in or being graded (with nothing
+    live, a group not yet in has no run left): no rollout can start before its update lands (the
+    staleness bound), so no cell needs to stand by serving."""
+    nothing_live = view.queued + view.running == 0
+    return nothing_live and _core_due(view) and (view.step_rollouts_done or view.grading_groups > 0)
 
 
 def _run_over(view: SchedulerView) -> bool:

@@ -123,6 +123,11 @@ def test_elastic_trains_everywhere_when_the_update_gates_every_rollout():
     # Nothing live, the step's rollouts are in: nothing can start before this update lands.
     out = decide(view(cells, demand=5, done=True, pending=True), cfg())
     assert moves(out) == {(0, "train"), (1, "train"), (2, "train"), (3, "train")}
+    # Likewise while its last groups are graded: with nothing live, none of them has a run left.
+    out = decide(view(cells, pending=True, grading=8), cfg())
+    assert moves(out) == {(0, "train"), (1, "train"), (2, "train"), (3, "train")}
+    # A queued run keeps a cell standing by.
+    assert len(decide(view(cells, queued=1, pending=True, grading=8), cfg())) == 3
 
 
 def test_busy_and_switching_cells_are_left_alone():

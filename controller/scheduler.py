@@ -16,8 +16,9 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
      the core while it is due to train, so its running work drains and it can go;
   3. satellites beyond what all live work (queued + running) needs train, as many as there are
      microsteps for them, counting one for each group being graded (the switch then overlaps
-     the grading: near the timeout a step's runs end together and its data comes at once); an idle training satellite stays (a switch costs minutes on a cluster)
-     until live work needs it back. In the step's tail (its rollouts all in, no microstep left to
+     the grading: near the timeout a step's runs end together and its data comes at once); an
+     idle training satellite stays (a switch costs minutes on a cluster) until live work needs
+     it back. In the step's tail (its rollouts all in, no microstep left to
      hand out) live work counts the rollouts its update will release (``queued_at_apply``), so a
      satellite with nothing left to train is serving when they launch instead of starting its
      switch then: the next step's rollouts are on the critical path;
@@ -117,7 +118,7 @@ def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
     less the core's while ``elastic`` wants the core to train (rule 2)."""
     serving = [c for c in view.cells if c.phase == "serving"]
     slots = len(serving) * cfg.capacity_per_cell
-    if cfg.kind == "elastic" and len(serving) > 1 and any(c.is_core for c in serving) and _core_due(view):
+    if cfg.kind == "elastic" and len(serving) > 1 and any(c.is_core for c in serving) and _training_due(view):
         slots -= cfg.capacity_per_cell
     return max(0, slots - view.running)
 
@@ -153,8 +154,8 @@ def _update_gates_rollouts(view: SchedulerView) -> bool:
     """Nothing is live and the trainable step's rollouts are all in or being graded (with nothing
     live, a group not yet in has no run left): no rollout can start before its update lands (the
     staleness bound), so no cell needs to stand by serving."""
-    nothing_live = view.queued + view.running == 0
-    return nothing_live and _core_due(view) and (view.step_rollouts_done or view.grading_groups > 0)
+    all_in = (view.step_rollouts_done and view.train_demand > 0) or view.grading_groups > 0
+    return view.queued + view.running == 0 and all_in
 
 
 def _run_over(view: SchedulerView) -> bool:
@@ -166,7 +167,7 @@ def _movable(c: CellView) -> bool:
     return c.phase in STABLE and not c.busy
 
 
-def _core_due(view: SchedulerView) -> bool:
+def _training_due(view: SchedulerView) -> bool:
     """The trainable step has work for the core now, or within the grading time."""
     return view.train_demand > 0 or view.grading_groups > 0
 
@@ -193,7 +194,7 @@ def _hold_live_work(view: SchedulerView, cfg: SchedulerConfig, n: int, serving: 
     """Rule 1: running work first (and all live work when nothing is left to train); idle
     satellites come back before the core."""
     short = running_need(view, cfg, n) - len(serving)
-    if not _core_due(view):
+    if not _training_due(view):
         short = max(short, serving_need(view, cfg, n) - len(serving))
     back = sorted((c for c in training if _movable(c)), key=lambda c: (c.is_core, -c.trained_s, c.cell_id))
     return [Switch(c.cell_id, "serve") for c in back[: max(0, short)]]
@@ -204,7 +205,7 @@ def _core_switch(view: SchedulerView, cfg: SchedulerConfig, n: int, core: CellVi
     """Rule 2: the core trains while its step has work, if the other cells hold the running work;
     if they cannot, an idle satellite comes back to take its place (the update is applied on the
     core alone), and the core goes once that one serves."""
-    if core is None or core.role != "serve" or not _movable(core) or not _core_due(view):
+    if core is None or core.role != "serve" or not _movable(core) or not _training_due(view):
         return []
     if len(holding) - 1 >= running_need(view, cfg, n):
         return [Switch(core.cell_id, "train")]
@@ -235,7 +236,7 @@ def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core:
     short = -spare - sum(1 for c in serving if c.phase == "to_serve")
     idle = sorted((c for c in sat_training if _movable(c)), key=lambda c: (-c.trained_s, c.cell_id))
     out = [Switch(c.cell_id, "serve") for c in idle[: max(0, short)]]
-    if short > len(idle) and core is not None and core.role == "train" and _movable(core) and not _core_due(view):
+    if short > len(idle) and core is not None and core.role == "train" and _movable(core) and not _training_due(view):
         out.append(Switch(core.cell_id, "serve"))
     return out
 

@@ -58,6 +58,9 @@ class ClusterConfig:
     """A cell turning to training lets in-flight calls finish this long, then aborts them (the
     proxy re-routes them)."""
     transfer_timeout_s: float
+    microsteps_in_flight: int
+    """Microsteps a training cell holds at once (controller.steps.assign): 2 queues the next one
+    behind the running one, so a busy controller's round trip does not leave the cell idle."""
     transfer: Literal["zmq", "mooncake"]
     """How satellites pull weights from the core: `zmq` frames, or `mooncake` Transfer Engine reads
     (TCP here, RDMA on clusters; needs the mooncake package, see cellrunner/transfer_mooncake.py)."""
@@ -72,6 +75,8 @@ class ClusterConfig:
     def check(self) -> None:
         if self.num_cells < 1:
             raise ValueError("num_cells: want >= 1")
+        if self.microsteps_in_flight < 1:
+            raise ValueError("microsteps_in_flight: want >= 1")
         if self.ranks_per_node < 1:
             raise ValueError("ranks_per_node: want >= 1")
         if not 1024 <= self.dist_port <= 65535 - self.num_cells:

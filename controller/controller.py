@@ -524,10 +524,9 @@ class Controller:
         st = self.steps.current
         if st is None:
             return
-        running = {cell for cell, _ in st.running.values()}
-        free = [c.cell_id for c in self.cells.in_phase("training")
-                if c.weight_version == self.steps.version and c.cell_id not in running]
-        for cell_id, msg in self.steps.assign(sorted(free, key=lambda i: (i != self.cfg.cluster.core_cell, i))):
+        ready = [c.cell_id for c in self.cells.in_phase("training") if c.weight_version == self.steps.version]
+        order = sorted(ready, key=lambda i: (i != self.cfg.cluster.core_cell, i))
+        for cell_id, msg in self.steps.assign(order, in_flight=self.cfg.cluster.microsteps_in_flight):
             self.send_to(f"cell-{cell_id}", msg)
         core_training = self.cells.core.phase == "training"
         for cell_id, msg in self.steps.finish(core_training=core_training):

@@ -11,7 +11,7 @@ advantage-weighted ones. No tensor passes through here: only ids, counts and gro
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from controller.checkpoints import due
@@ -152,18 +152,33 @@ class StepCoordinator:
         pending = 1 if (st.rollouts_done and st.num_executions > 0) else 0
         return len(st.ready) + len(st.running) + pending
 
-    def assign(self, free_cells: list[int]) -> list[tuple[int, RunMicrostep]]:
-        """Give ready shards of the trainable step to training cells holding its version."""
+    def assign(self, cells: list[int], *, in_flight: int = 1) -> list[tuple[int, RunMicrostep]]:
+        """Give ready shards of the trainable step to ``cells`` (training cells holding its version,
+        in the order to serve them) until each has ``in_flight`` running.
+
+        A cell runs its microsteps in order, so a second one queued behind the running one starts
+        the moment the first ends instead of a controller round trip later (the controller may be
+        busy launching a step's harnesses just then). Queuing ahead only happens while the ready
+        shards are at least one per cell: with fewer, the last ones wait for whichever cell frees
+        first, so a step's end is not held behind a cell with two to do.
+        """
         st = self.current
-        out = []
+        out: list[tuple[int, RunMicrostep]] = []
         if st is None:
             return out
-        for cell in free_cells:
-            if not st.ready:
+        running = Counter(cell for cell, _ in st.running.values())
+        for depth in range(1, in_flight + 1):
+            if depth > 1 and len(st.ready) < len(cells):
                 break
-            shard = st.ready.popleft()
-            st.running[shard.shard_id] = (cell, shard)
-            out.append((cell, RunMicrostep(shard=shard)))
+            for cell in cells:
+                if not st.ready:
+                    return out
+                if running[cell] >= depth:
+                    continue
+                shard = st.ready.popleft()
+                st.running[shard.shard_id] = (cell, shard)
+                running[cell] += 1
+                out.append((cell, RunMicrostep(shard=shard)))
         return out
 
     def finish(self, *, core_training: bool) -> list[tuple[int, SendGrads | ApplyStep]]:

@@ -48,6 +48,8 @@ def test_cross_package_checks():
     with pytest.raises(ConfigError, match="ranks_per_node=2: trainer=embedded is one process per cell"):
         load("cluster.ranks_per_node=2")
     assert load("cluster.ranks_per_node=8", "trainer=megatron").cluster.ranks_per_node == 8
+    with pytest.raises(ConfigError, match="microsteps_in_flight"):
+        load("cluster.microsteps_in_flight=0")
     with pytest.raises(ConfigError, match="dist_port"):
         load("cluster.dist_port=80")
     with pytest.raises(ConfigError, match="set algo.release=group"):

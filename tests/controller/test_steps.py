@@ -53,6 +53,39 @@ def test_lost_cell_gives_its_work_back():
     assert sc.busy_cells() == set()
 
 
+def test_a_second_microstep_queues_behind_the_running_one_only_with_a_round_to_spare():
+    sc = StepCoordinator(core_cell=0, total_steps=1)
+    sc.plan(0, 1)
+    for sid in "abcdefg":
+        sc.on_shard(shard(0, sid))
+    sent = sc.assign([0, 1, 2], in_flight=2)  # 7 ready, 3 cells: one each, then one more each
+    assert [(c, m.shard.shard_id) for c, m in sent] == [(0, "a"), (1, "b"), (2, "c"), (0, "d"), (1, "e"), (2, "f")]
+    assert sc.assign([0, 1, 2], in_flight=2) == []  # every cell holds two
+    sc.on_microstep_done(1, 0, "b", 0.0, 1)
+    # 1 ready for 3 cells, each running one: it waits for whichever cell frees first
+    assert sc.assign([0, 1, 2], in_flight=2) == []
+    sc.on_microstep_done(1, 0, "e", 0.0, 1)
+    assert [(c, m.shard.shard_id) for c, m in sc.assign([0, 1, 2], in_flight=2)] == [(1, "g")]
+    sc.on_microstep_done(0, 0, "a", 0.0, 1)
+    sc.on_microstep_done(2, 0, "c", 0.0, 1)
+    sc.on_shard(shard(0, "h"))
+    sc.on_shard(shard(0, "i"))
+    sc.on_shard(shard(0, "j"))
+    assert sc.assign([0, 1, 2], in_flight=1) == []  # in_flight=1: only a cell with nothing running
+    assert [(c, m.shard.shard_id) for c, m in sc.assign([0, 1, 2], in_flight=2)] == [(0, "h"), (1, "i"), (2, "j")]
+
+
+def test_a_lost_cell_gives_back_every_microstep_queued_on_it():
+    sc = StepCoordinator(core_cell=0, total_steps=1)
+    sc.plan(0, 1)
+    for sid in "abcd":
+        sc.on_shard(shard(0, sid))
+    sc.assign([1, 2], in_flight=2)
+    sc.on_cell_lost(1)
+    assert sorted(s.shard_id for s in sc.current.ready) == ["a", "c"]
+    assert sc.busy_cells() == {2}
+
+
 def test_dropped_groups_do_not_count_executions():
     sc = StepCoordinator(core_cell=0, total_steps=1)
     sc.plan(0, 1)

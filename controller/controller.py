@@ -521,11 +521,9 @@ class Controller:
         self.push_routing()
 
     def drive_steps(self) -> None:
-        st = self.steps.current
-        if st is None:
-            return
-        ready = [c.cell_id for c in self.cells.in_phase("training") if c.weight_version == self.steps.version]
-        order = sorted(ready, key=lambda i: (i != self.cfg.cluster.core_cell, i))
+        # assign and finish do nothing without a trainable step
+        holding = [c.cell_id for c in self.cells.in_phase("training") if c.weight_version == self.steps.version]
+        order = sorted(holding, key=lambda i: (i != self.cfg.cluster.core_cell, i))
         for cell_id, msg in self.steps.assign(order, in_flight=self.cfg.cluster.microsteps_in_flight):
             self.send_to(f"cell-{cell_id}", msg)
         core_training = self.cells.core.phase == "training"

@@ -115,8 +115,13 @@ def executions_at_apply(*, version: int, staleness: int, total_steps: int, plann
 
 def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
     """Queued executions the controller may start now: the free slots of the cells serving now,
-    less the core's while ``elastic`` wants the core to train (rule 2)."""
+    less the core's while ``elastic`` wants the core to train (rule 2), and for ``async`` only
+    those of its serving pool (a cell of the training pool that still serves, as every cell does
+    at the start, is about to leave, and the runs started on it would be left without a slot)."""
     serving = [c for c in view.cells if c.phase == "serving"]
+    if cfg.kind == "async":
+        trainers = _async_trainers([c for c in view.cells if c.phase != "dead"], cfg)
+        serving = [c for c in serving if c.cell_id not in trainers]
     slots = len(serving) * cfg.capacity_per_cell
     if cfg.kind == "elastic" and len(serving) > 1 and any(c.is_core for c in serving) and _training_due(view):
         slots -= cfg.capacity_per_cell
@@ -241,10 +246,15 @@ def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core:
     return out
 
 
-def _fixed_pools(cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:
+def _async_trainers(cells: list[CellView], cfg: SchedulerConfig) -> set[int]:
+    """The fixed training pool: the core and the next ``train_cells - 1`` cells by id."""
     core = [c for c in cells if c.is_core]
     others = sorted((c for c in cells if not c.is_core), key=lambda c: c.cell_id)
-    trainers = {c.cell_id for c in (core + others)[: cfg.train_cells]}
+    return {c.cell_id for c in (core + others)[: cfg.train_cells]}
+
+
+def _fixed_pools(cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:
+    trainers = _async_trainers(cells, cfg)
     out = []
     for c in cells:
         want: Role = "train" if c.cell_id in trainers else "serve"

@@ -143,6 +143,14 @@ def test_async_and_colocate():
     assert len(decide(view(cells, demand=2, done=True), cfg("colocate"))) == 4
 
 
+def test_async_starts_runs_only_on_its_serving_pool():
+    # At the start every cell serves, but the core and cell 1 are async's training pool and leave:
+    # runs started on their slots would have none. Only cells 2 and 3 count (2 x 4 slots, 3 used).
+    cells = [cell(0, core=True), cell(1), cell(2), cell(3)]
+    assert launch_room(view(cells, queued=20, running=3), cfg("async", train_cells=2)) == 5
+    assert launch_room(view(cells, queued=20, running=3), cfg("elastic")) == 13  # elastic keeps them while no training is due
+
+
 def test_every_policy_serves_everywhere_once_the_run_is_over():
     cells = [cell(0, "train", core=True), cell(1, "train"), cell(2), cell(3, "train")]
     over = view(cells, demand=0, pending=False)

@@ -123,6 +123,11 @@ class SimResult:
     """Slot-seconds holding a running execution."""
     switching_s: float
     """Cell-seconds spent switching roles."""
+    call_s: float
+    """Model seconds the runs asked for (their call segments), whether or not they got them."""
+    cut_call_s: float
+    """Model seconds the timeout cut off: what the timed-out runs had left to ask for. Stalling a
+    run (colocate, while every cell trains) spends its timeout without a cell and raises this."""
 
     @property
     def makespan_h(self) -> float:
@@ -201,6 +206,7 @@ class Simulation:
         self.slot_s = 0.0
         self.held_s = 0.0
         self.switching_s = 0.0
+        self.cut_call_s = 0.0
         self.dirty = True
 
     # ================================================================ the loop
@@ -480,6 +486,8 @@ class Simulation:
             self.end(ex, timed_out=True)
 
     def end(self, ex: SimExecution, *, timed_out: bool) -> None:
+        if timed_out:
+            self.cut_call_s += self.calls_left(ex)
         ex.state, ex.ended_at, ex.timed_out = "ended", self.t, timed_out
         ex.call_seq += 1
         ex.in_call = False
@@ -493,6 +501,17 @@ class Simulation:
             self.at(self.wl.grade_s, self.group_ready, ex.group_id)
         elif self.release == "run":
             self.at(self.wl.grade_s, self.run_ready, ex.group_id, ex.step)
+
+    def calls_left(self, ex: SimExecution) -> float:
+        """Model seconds ``ex`` has still to get: the rest of its current call and its later calls."""
+        left = 0.0
+        if ex.in_call:
+            left = ex.call_left
+            if ex.cell is not None:  # served now: its call's end is on the cell's clock
+                left = next((max(0.0, v - ex.cell.vclock) for v, _, e, seq in ex.cell.calls
+                             if e is ex and seq == ex.call_seq), ex.call_left)
+        later = range(ex.seg + (1 if ex.in_call else 0), len(ex.segments))
+        return left + sum(ex.segments[j] for j in later if j % 2 == 0)
 
     def run_ready(self, gid: str, step: int) -> None:
         """What-if: one graded run releases its share of the group's microsteps (whole ones only)."""
@@ -581,6 +600,7 @@ class Simulation:
             max_staleness=self.max_staleness, core_trained_steps=self.core_trained_steps,
             max_demand_wait_s=self.max_demand_wait, overcommit_s=self.overcommit, stalled_call_s=self.stalled,
             slot_s=self.slot_s, held_s=self.held_s, switching_s=self.switching_s,
+            call_s=sum(sum(ex.segments[0::2]) for ex in self.executions), cut_call_s=self.cut_call_s,
         )
 
     def describe(self) -> str:

@@ -12,6 +12,9 @@ a measurement of that system, whose own traces are not public):
 - ``nl2repo_122b``, ``deepswe_122b``: a 122B model on 32 nodes = 4 cells x 8; NL2Repo-like runs
   build a repository from a spec (long, many at the timeout, long contexts so fewer live
   executions per cell), DeepSWE-like runs fix an issue (shorter, long-tailed, few at the timeout).
+- ``nl2repo_timeout_122b``: the NL2Repo-like setup with nine runs in ten near or past the timeout,
+  the regime where the reference lost to Colocate. A cell holds 48 runs and a step has 128, so the
+  serving slots bind (``controller.bounds.serving_bound``).
 - ``terminalbench_122b``: the 122B model on 24 nodes = 3 cells x 8; TerminalBench-like runs are
   short and tool-heavy (more think time than model time).
 
@@ -86,6 +89,17 @@ SPECS: tuple[Spec, ...] = (
         workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
                                launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1),
         phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=0.4, call_share=0.7, turns=8)),),
+    ),
+    Spec(
+        name="nl2repo_timeout_122b",
+        description="122B-like, NL2Repo-like with nine runs in ten near or past the timeout (where the reference "
+                    "lost to Colocate): 4 cells x 8 nodes, few live executions per cell",
+        cells=CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=48, to_train_s=150.0, to_serve_s=100.0,
+                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=150.0, apply_s=45.0,
+                        compute_slots=4, reroute_s=20.0),
+        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
+                               launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1),
+        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=0.9, call_share=0.7, turns=8)),),
     ),
     Spec(
         name="deepswe_122b",

@@ -49,6 +49,23 @@ def test_timeout_cuts_a_run_and_the_group_waits_for_it():
     assert r.num_timed_out == 2
     # Cut at 5 s after launch; the core's switch (0.5) covers the grading (0.25).
     assert r.makespan_s == pytest.approx(5.0 + 0.5 + 3.0 + 0.5)
+    # Each run had its one call (1 s) before the cut, in the think time: no model time was cut.
+    assert r.call_s == pytest.approx(2.0) and r.cut_call_s == pytest.approx(0.0)
+
+
+def test_the_model_time_a_timeout_cuts_is_counted():
+    # Calls of 1, 3 and 2 s with 1 s of think between; launch 0.5, timeout 4: each run is cut
+    # 1.5 s into its second call (0.5 + 1 + 1 = 2.5 when it starts), with 1.5 + 2 = 3.5 s left.
+    trace = tiny(executions=((1.0, 1.0, 3.0, 1.0, 2.0, 0.0),),
+                 workload=dataclasses.replace(tiny().workload, timeout_s=4.0))
+    r = simulate(trace, "elastic")
+    assert r.call_s == pytest.approx(2 * 6.0)
+    assert r.cut_call_s == pytest.approx(2 * 3.5)
+    # Cut in its think time, a run has only its later calls left; cut before its first call, all.
+    think = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, timeout_s=2.0))
+    assert simulate(think, "elastic").cut_call_s == pytest.approx(2 * 5.0)
+    early = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, timeout_s=0.25))
+    assert simulate(early, "elastic").cut_call_s == pytest.approx(2 * 6.0)
 
 
 def test_what_if_runs_release_their_microsteps_as_they_are_graded():
@@ -123,7 +140,7 @@ def test_same_seed_same_run_and_seeds_draw_differently():
 
 def test_our_trace_files_load_and_round_trip():
     names = sorted(p.stem for p in TRACES.glob("*.json"))
-    assert names == ["deepswe_122b", "nl2repo_122b", "p2_4t", "terminalbench_122b"]
+    assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_timeout_122b", "p2_4t", "terminalbench_122b"]
     for path in TRACES.glob("*.json"):
         trace = load_trace(path)
         assert parse_trace(json.loads(json.dumps(trace_to_json(trace)))) == trace

@@ -19,6 +19,14 @@ on the same runs (``runs`` is consumed in the simulator's planning order: step, 
 Left out, so a real schedule pays them on top: role switches, weight and gradient transfers, the
 serving capacity that live runs hold (in a step's tail the next step's runs keep cells serving),
 and microsteps that do not divide evenly among cells more than once.
+
+``serving_bound`` is the other half, for policies that never leave a running execution without a
+serving slot (elastic's first rule, and async's fixed pools; colocate lets running executions wait
+while every cell trains). Each run then holds one of a serving cell's ``capacity_per_cell`` slots
+from its launch until it ends, at least ``min(launch_s + its segments, timeout_s)``, and a cell that
+serves does not train: the cells' time must cover both. Where many runs sit near the timeout and a
+cell holds few of them, this binds, and colocate can pass it only by letting runs wait out part of
+their timeout without a cell (they are cut with less of their work done).
 """
 
 from __future__ import annotations
@@ -48,6 +56,17 @@ def makespan_bound(trace: Trace, runs: RunSource, *, release: Release = "group")
         previous = applied[-1] if applied else 0.0
         applied.append(_train_end(arrivals, previous, cc.num_cells, cc.compute_slots, cc.microstep_s) + cc.apply_s)
     return applied[-1]
+
+
+def serving_bound(trace: Trace, runs: RunSource) -> float:
+    """Seconds no policy that keeps every running execution served can beat: the cells' time
+    (``num_cells`` x makespan) holds every run's slot time over ``capacity_per_cell`` plus every
+    microstep's ``microstep_s``, since a cell either serves or trains."""
+    wl, cc = trace.workload, trace.cells
+    held = sum(min(wl.launch_s + sum(runs(f"s{step}-g{g}-e{i}", step)), wl.timeout_s)
+               for step in range(wl.steps) for g in range(wl.groups_per_step) for i in range(wl.group_size))
+    microsteps = wl.steps * wl.groups_per_step * wl.microsteps_per_group
+    return (held / cc.capacity_per_cell + microsteps * cc.microstep_s) / cc.num_cells
 
 
 def _group_arrivals(graded: list[float], microsteps: int, release: Release) -> list[tuple[float, int]]:

@@ -31,7 +31,8 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
     assert finite(out["p2_4t_vs_async"]) and finite(out["p2_4t_vs_colocate"])
     # Never invented: no result file, no calibration error, and the reason says so.
     assert out["calibration_error"] is None and "no bench.elastic result file" in out["calibration"]["reason"]
-    assert {r["trace"] for r in out["table"]} == {"p2_4t", "nl2repo_122b", "deepswe_122b", "terminalbench_122b"}
+    assert {r["trace"] for r in out["table"]} == {"p2_4t", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b",
+                                                  "terminalbench_122b"}
     for row in out["table"]:
         assert set(row["hours"]) == {"elastic", "async", "colocate"} and all(finite(h) for h in row["hours"].values())
         assert all(v <= 1 for v in row["max_staleness"].values())  # every trace has staleness 1
@@ -42,6 +43,11 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
         # the bound: no policy run beats it, so no ratio exceeds its ceiling
         assert all(h >= row["bound_h"] - 1e-9 for h in row["hours"].values())
         assert row["vs_async"] <= row["ceiling_vs_async"] and row["vs_colocate"] <= row["ceiling_vs_colocate"]
+        # the stall-free bound holds for the two policies that keep running work served
+        assert all(row["hours"][k] >= row["served_bound_h"] - 1e-9 for k in ("elastic", "async"))
+        assert row["overcommit_h"]["elastic"] == 0 and row["overcommit_h"]["async"] == 0
+        assert row["vs_colocate"] <= row["elastic_ceiling_vs_colocate"] <= row["ceiling_vs_colocate"]
+        assert all(0 <= v <= 1 for v in row["cut_call_share"].values())
     assert out["p2_4t_ceiling_vs_colocate"] == out["table"][0]["ceiling_vs_colocate"]
     run = out["what_if_run_release"]
     assert run["p2_4t_vs_colocate"] <= run["ceiling_vs_colocate"] and run["bound_h"] <= min(run["hours"].values())

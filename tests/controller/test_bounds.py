@@ -1,5 +1,6 @@
-"""The lower bound on any policy's makespan: worked out by hand where a policy reaches it, never
-beaten by a simulated policy on our traces, and it moves with what it claims to depend on."""
+"""The lower bounds: on any policy's makespan, and on that of a policy that keeps every running
+execution served. Worked out by hand where a policy reaches them, never beaten by a simulated
+policy they hold for on our traces, and they move with what they claim to depend on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.bounds import makespan_bound
+from controller.bounds import makespan_bound, serving_bound
 from controller.simulator import pool_source, simulate
 from controller.traces import load_trace
 from tests.controller.test_simulator import tiny
@@ -61,7 +62,10 @@ def test_compute_slots_bound_the_cells_training_at_once():
     assert makespan_bound(shared, pool_source(shared, 0)) == pytest.approx(3.75 + 6 + 0.5)
 
 
-@pytest.mark.parametrize("name", ["p2_4t", "nl2repo_122b", "deepswe_122b", "terminalbench_122b"])
+NAMES = ["p2_4t", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b", "terminalbench_122b"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_no_policy_beats_the_bound_on_our_traces(name: str):
     trace = load_trace(TRACES / f"{name}.json")
     trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=8))
@@ -73,3 +77,41 @@ def test_no_policy_beats_the_bound_on_our_traces(name: str):
         assert bound > 0
     # Releasing runs as they are graded can only lower it.
     assert makespan_bound(trace, pool_source(trace, 0), release="run") <= makespan_bound(trace, pool_source(trace, 0))
+
+
+def test_serving_bound_by_hand():
+    # tiny(): 2 runs of launch 0.5 + call 1 + think 2 = 3.5 s each hold 7 slot-seconds; capacity 2
+    # makes that 3.5 cell-seconds, plus one microstep of 3: 6.5 over 2 cells = 3.25 s, below the
+    # chain (7.25). With a 1 s timeout the runs hold 1 s each: (1 + 3) / 2.
+    trace = tiny()
+    assert serving_bound(trace, pool_source(trace, 0)) == pytest.approx(3.25)
+    cut = tiny(workload=dataclasses.replace(tiny().workload, timeout_s=1.0))
+    assert serving_bound(cut, pool_source(cut, 0)) == pytest.approx(2.0)
+    # One slot a cell: the runs take a cell each for 3.5 s, and the cells' time must hold it all.
+    narrow = tiny(cells=dataclasses.replace(tiny().cells, capacity_per_cell=1))
+    assert serving_bound(narrow, pool_source(narrow, 0)) == pytest.approx((7.0 + 3.0) / 2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_policies_that_keep_running_work_served_never_beat_the_serving_bound(name: str):
+    trace = load_trace(TRACES / f"{name}.json")
+    trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=8))
+    bound = serving_bound(trace, pool_source(trace, 0))
+    for kind in ("elastic", "async"):
+        r = simulate(trace, kind, seed=0)
+        assert r.overcommit_s == 0.0, (name, kind)  # the premise: no running execution went without a slot
+        assert r.makespan_s >= bound - 1e-6, (name, kind, r.makespan_s, bound)
+
+
+def test_colocate_passes_the_serving_bound_only_by_cutting_its_runs():
+    # Nine runs in ten near the timeout, 48 slots a cell for 128 runs a step: the serving slots
+    # bind. Colocate gets under the bound by leaving running executions without a cell while it
+    # trains (their timeout runs on), and the timeout then cuts far more of their model time.
+    # (16 steps: over fewer, the first and last steps, which the bound does not charge, hide it.)
+    trace = load_trace(TRACES / "nl2repo_timeout_122b.json")
+    trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=16))
+    bound = serving_bound(trace, pool_source(trace, 0))
+    assert bound > makespan_bound(trace, pool_source(trace, 0))  # here the slots bind, not the chain
+    colocate, elastic = simulate(trace, "colocate", seed=0), simulate(trace, "elastic", seed=0)
+    assert colocate.makespan_s < bound and colocate.overcommit_s > 0
+    assert colocate.cut_call_s / colocate.call_s > 2 * elastic.cut_call_s / elastic.call_s

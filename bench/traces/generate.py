@@ -67,6 +67,18 @@ class Spec:
 MIN = 60.0
 HOUR = 3600.0
 
+# The NL2Repo-like setup: 4 cells x 8 nodes, long contexts (48 live runs per cell), 2 h timeout.
+NL2REPO_CELLS = CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=48, to_train_s=150.0, to_serve_s=100.0,
+                          weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=150.0, apply_s=45.0,
+                          compute_slots=4, reroute_s=20.0)
+NL2REPO_WORKLOAD = WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
+                                 launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1)
+
+
+def nl2repo_runs(*, near_timeout: float) -> RunShape:
+    return RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=near_timeout, call_share=0.7, turns=8)
+
+
 SPECS: tuple[Spec, ...] = (
     Spec(
         name="p2_4t",
@@ -83,23 +95,15 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         name="nl2repo_122b",
         description="122B-like, NL2Repo-like: 4 cells x 8 nodes, long runs that build a repository, many at the timeout",
-        cells=CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=48, to_train_s=150.0, to_serve_s=100.0,
-                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=150.0, apply_s=45.0,
-                        compute_slots=4, reroute_s=20.0),
-        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
-                               launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1),
-        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=0.4, call_share=0.7, turns=8)),),
+        cells=NL2REPO_CELLS, workload=NL2REPO_WORKLOAD,
+        phases=(PhaseShape(name="all", first_step=0, runs=nl2repo_runs(near_timeout=0.4)),),
     ),
     Spec(
         name="nl2repo_timeout_122b",
         description="122B-like, NL2Repo-like with nine runs in ten near or past the timeout (where the reference "
                     "lost to Colocate): 4 cells x 8 nodes, few live executions per cell",
-        cells=CellCosts(num_cells=4, nodes_per_cell=8, capacity_per_cell=48, to_train_s=150.0, to_serve_s=100.0,
-                        weight_transfer_s=30.0, grad_transfer_s=20.0, microstep_s=150.0, apply_s=45.0,
-                        compute_slots=4, reroute_s=20.0),
-        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
-                               launch_s=MIN, grade_s=2 * MIN, staleness=1, async_train_cells=1),
-        phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=0.9, call_share=0.7, turns=8)),),
+        cells=NL2REPO_CELLS, workload=NL2REPO_WORKLOAD,
+        phases=(PhaseShape(name="all", first_step=0, runs=nl2repo_runs(near_timeout=0.9)),),
     ),
     Spec(
         name="deepswe_122b",

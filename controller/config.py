@@ -15,7 +15,7 @@ from cellrunner.config import (
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
 from trajectory.config import AlgoConfig
-from workloads.config import WorkloadConfig
+from workloads.config import HarnessConfig, SandboxConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +108,10 @@ class GyreConfig:
     cluster: ClusterConfig
     model: ModelConfig
     workload: WorkloadConfig
+    harness: HarnessConfig
+    """What runs each execution (conf/harness): ``bundled``, ``claude_code``, ``mini_swe_agent``, ``qwen_code``, ``command``."""
+    sandbox: SandboxConfig
+    """What confines each harness run and grader (conf/sandbox)."""
     scheduler: SchedulerConfig
     algo: AlgoConfig
     proxy: ProxyConfig

@@ -55,6 +55,12 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         if len(choices) > 1:  # a tagged union of config classes: `kind` picks one
             return _tagged(choices, value, where)
         return _value(choices[0], value, where)
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: want a mapping, got {type(value).__name__}")
+        return {_value(key_hint, k, f"{where}[{k!r}]"): _value(value_hint, v, f"{where}[{k!r}]")
+                for k, v in value.items()}
     if origin in (list, tuple):
         (inner, *_) = typing.get_args(hint)
         if not isinstance(value, (list, tuple)):
@@ -91,4 +97,6 @@ def to_dict(obj: Any) -> Any:
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple):
         return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
     return obj

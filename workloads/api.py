@@ -1,0 +1,142 @@
+"""The contracts between the controller and what a run works on: tasks, harnesses, sandboxes, graders.
+
+Standard library only, so the controller, the validator and the tests import it without torch.
+Each concern lives in its own package and offers exactly what is declared here:
+
+- ``workloads.tasksets``: a ``TaskSet`` (the run's tasks, how to lay out a workspace, how to grade it);
+- ``workloads.harnesses``: a ``HarnessAdapter`` per harness kind (how to start one program);
+- ``workloads.sandbox``: a ``Sandbox`` per kind (how to wrap a command so it sees only its workspace);
+- ``workloads.graders``: the graders a task set calls (hidden tests, the wordmap similarity).
+
+The controller calls only these small interfaces; it never parses a harness's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+Outcome = Literal["finished", "timed_out", "crashed"]
+NetworkMode = Literal["proxy", "none"]
+"""``proxy``: the harness reaches the Gyre proxy and nothing else (where the sandbox can enforce it);
+``none``: no network at all (graders)."""
+
+
+class Task(Protocol):
+    """One task of a task set: what the harness is asked, under a stable id."""
+
+    @property
+    def task_id(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradeResult:
+    reward: float | None
+    """In [0, 1]; None when grading failed (the execution is then excluded and counted, never 0)."""
+    error: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """What the grader saw, for the report (e.g. ``{"passed": [...], "failed": [...]}``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunArtifacts:
+    """Where one execution's harness left what the grader may read besides its workspace."""
+
+    stdout_path: Path
+    stderr_path: Path
+    outcome: Outcome
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxSpec:
+    """One command to run confined. Paths are the same inside and outside the sandbox."""
+
+    argv: list[str]
+    workspace: Path
+    """Writable; the command's cwd."""
+    env: dict[str, str]
+    """The command's whole environment (nothing else is inherited)."""
+    home: Path | None = None
+    """A writable private folder set as ``$HOME`` (harness state: transcripts, settings)."""
+    ro_paths: tuple[Path, ...] = ()
+    """Extra read-only paths visible at the same path (a harness's install, a task environment)."""
+    network: NetworkMode = "proxy"
+    proxy_port: int = 0
+    """With ``network=proxy``: the port the proxy listens on at 127.0.0.1, reachable inside."""
+    proxy_socket: Path | None = None
+    """With ``network=proxy`` in a sandbox with its own network: the proxy's Unix socket, which a
+    relay inside exposes again as 127.0.0.1:``proxy_port``."""
+
+
+class Sandbox(Protocol):
+    kind: str
+
+    def wrap(self, spec: SandboxSpec) -> list[str]:
+        """The argv that runs ``spec.argv`` confined (Popen it with ``env=spec.env`` or the env the
+        sandbox kind documents, and ``cwd=spec.workspace``)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the run's log: what this sandbox enforces here."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarnessLaunch:
+    """What a harness adapter is told about one execution."""
+
+    execution_id: str
+    workspace: Path
+    prompt_file: Path
+    """The task's prompt as a file (also ``$GYRE_PROMPT_FILE``), outside the workspace."""
+    home: Path
+    """The execution's private writable home (``$HOME`` inside the sandbox)."""
+    model: str
+    base_url: str
+    """The proxy's OpenAI base, ending in ``/v1``."""
+    anthropic_base_url: str
+    """The proxy's root, for ``ANTHROPIC_BASE_URL``."""
+    token: str
+    """The execution's bearer token; never put it on argv where a harness can take it from env."""
+    max_turns: int
+    max_new_tokens: int
+    temperature: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarnessCommand:
+    argv: list[str]
+    env: dict[str, str]
+    """Added to the common environment every harness gets (proxy URLs, token, prompt file)."""
+    ro_paths: tuple[Path, ...] = ()
+    """What the harness program needs to see read-only inside the sandbox (its install)."""
+
+
+class HarnessAdapter(Protocol):
+    kind: str
+
+    def check_installed(self) -> str:
+        """'' when the harness can start here; else one line saying which ``make`` target installs it."""
+        ...
+
+    def command(self, launch: HarnessLaunch) -> HarnessCommand: ...
+
+
+class TaskSet(Protocol):
+    name: str
+
+    def split(self) -> tuple[list[Task], list[Task]]:
+        """(train, held-out eval), deterministic for the config."""
+        ...
+
+    def prepare(self, task: Task, workspace: Path) -> None:
+        """Lay out ``workspace`` (created here) for ``task``: never the original repository."""
+        ...
+
+    def grade(self, task: Task, workspace: Path, run: RunArtifacts) -> GradeResult:
+        """Score what the harness left. Any failure of the grader itself is ``reward=None``."""
+        ...

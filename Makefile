@@ -13,12 +13,17 @@ CLAUDE_CODE_STAMP   := .tools/claude-code/.installed-$(CLAUDE_CODE_VERSION)
 MINI_SWE_AGENT_VERSION := 2.4.6
 MINI_STAMP := .tools/mini-swe-agent/.installed-$(MINI_SWE_AGENT_VERSION)
 
+# Qwen Code (npm, OpenAI API), the harness made for Qwen models. 0.15.10 runs on Debian 12's node 20;
+# newer releases want node >= 22.
+QWEN_CODE_VERSION := 0.15.10
+QWEN_CODE_STAMP   := .tools/qwen-code/.installed-$(QWEN_CODE_VERSION)
+
 # LiteLLM's proxy, bench.proxy's peer, in its own venv (it pins its own openai/pydantic). 1.107.0 was
 # a compromised release; 1.106.12 is the newest whose [proxy] extra resolves from the registry here.
 LITELLM_VERSION := 1.106.12
 LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 
-.PHONY: venv claude-code mini-swe-agent litellm run test bench gpu-env gpu-check clean
+.PHONY: venv claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean
 
 venv: $(STAMP)
 
@@ -37,6 +42,15 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 is pinned in pyproject: the CPU wheel these machines carry, not a CUDA build.
 	$(BIN)/pip install --quiet -e '.[test,cpu]'
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+qwen-code: $(QWEN_CODE_STAMP)
+
+$(QWEN_CODE_STAMP):
+	mkdir -p .tools/qwen-code
+	rm -f .tools/qwen-code/.installed-*
+	npm install --prefix .tools/qwen-code --no-audit --no-fund --no-save @qwen-code/qwen-code@$(QWEN_CODE_VERSION)
+	.tools/qwen-code/node_modules/.bin/qwen --version
 	touch $@
 
 mini-swe-agent: $(MINI_STAMP)
@@ -58,7 +72,7 @@ $(LITELLM_STAMP):
 run: venv
 	$(BIN)/gyre $(ARGS)
 
-test: venv claude-code mini-swe-agent
+test: venv claude-code mini-swe-agent qwen-code
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv litellm

@@ -3,11 +3,11 @@
     .venv/bin/python -m bench.learnability [--steps 60 --lr 3e-3 --group-size 8 ...]
     .venv/bin/python -m bench.learnability --vocab-bench
 
-What it reproduces: the tiny model from ``conf/model``, tasks from ``workloads.tasks``, prompts
+What it reproduces: the tiny model from ``conf/model``, tasks from ``workloads.tasksets.wordmap``, prompts
 rendered with ``harness_proxy.template`` exactly as the bundled harness + proxy produce them
 (system + user; later turns splice the policy's own output ids, then ``wrote N bytes to NAME``),
 temperature sampling with a KV-cached loop recording behaviour log-probs, rewards from
-``workloads.graders.similarity`` on what the harness would have left in the file,
+``workloads.graders.wordmap.similarity`` on what the harness would have left in the file,
 group-normalised advantages, ``controller.wire.Sequence`` objects (one trajectory per execution,
 ``token_weight`` = 1 / its policy tokens, targets = every generated id incl. ``<|im_end|>``), and
 ``cellrunner.gspo`` (pack, token_logprobs, gspo_loss), summed and divided by the step's
@@ -74,9 +74,9 @@ from harness_proxy.template import generation_prompt, render_messages, render_tu
 from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
 from trajectory.config import AlgoConfig
 from workloads.config import WorkloadConfig
-from workloads.graders import similarity
+from workloads.graders.wordmap import similarity
 from workloads.harness import SYSTEM_PROMPT, wrote_message
-from workloads.tasks import TOPICS, Task, Topic, make_tasks
+from workloads.tasksets.wordmap import TOPICS, Task, Topic, make_tasks
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -399,7 +399,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="task draws and sampling")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--staleness", type=int, default=0, help="sample with weights this many steps old")
-    p.add_argument("--num-topics", type=int, default=0, help="first N of workloads.tasks.TOPICS (0: all)")
+    p.add_argument("--num-topics", type=int, default=0, help="first N of workloads.tasksets.wordmap.TOPICS (0: all)")
     p.add_argument("--topics", help="try other topics: 'name=target phrase;name=target phrase;...'")
     # Overrides of conf/ values, so a sweep needs no YAML edits.
     p.add_argument("--lr", type=float)

@@ -30,7 +30,7 @@ from controller.scheduler import SchedulerView, decide, executions_at_apply, lau
 from controller.slurm_launch import SlurmCells, resolve_host
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
-from workloads.tasks import make_tasks
+from workloads.tasksets.wordmap import make_tasks
 
 log = logging.getLogger(__name__)
 

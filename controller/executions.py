@@ -21,8 +21,8 @@ from typing import Literal
 
 from harness_proxy.auth import mint_token
 from workloads.config import WorkloadConfig
-from workloads.graders import grade
-from workloads.tasks import Task, write_task_file
+from workloads.graders.wordmap import grade
+from workloads.tasksets.wordmap import Task, write_task_file
 
 log = logging.getLogger(__name__)
 

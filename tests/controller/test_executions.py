@@ -12,7 +12,7 @@ import yaml
 from controller.executions import ExecutionManager
 from controller.typed_config import build
 from workloads.config import WorkloadConfig
-from workloads.tasks import make_tasks
+from workloads.tasksets.wordmap import make_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import learnability as probe
-from workloads.tasks import make_tasks
+from workloads.tasksets.wordmap import make_tasks
 
 
 @pytest.fixture(autouse=True)

@@ -7,20 +7,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
+from controller.typed_config import build
 from workloads import harness
-from workloads.config import ThinkTimeConfig, WorkloadConfig
-from workloads.tasks import TOPICS, Task, make_tasks, task_file_text, write_task_file
+from workloads.config import WorkloadConfig
+from workloads.tasksets.wordmap import TOPICS, Task, make_tasks, task_file_text, write_task_file
 
 
 def _cfg(**changes) -> WorkloadConfig:
-    base = WorkloadConfig(
-        name="wordmap", harness="bundled", num_train_tasks=256, num_eval_tasks=16, groups_per_step=4,
-        group_size=8, min_usable_per_group=4, max_turns=1, max_new_tokens=3, temperature=1.0,
-        timeout_s=30.0, task_seed=1234,
-        think_time=ThinkTimeConfig(kind="none", median_s=2.0, sigma=1.0, max_s=40.0, seed=0),
-    )
-    return dataclasses.replace(base, **changes)
+    """conf/workload/wordmap.yaml, with ``changes``."""
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/workload/wordmap.yaml").read_text())
+    return dataclasses.replace(build(WorkloadConfig, raw), **changes)
 
 
 def test_deterministic():

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.tasks import Task
+from workloads.tasksets.wordmap import Task
 
 EXACT_BONUS = 0.2
 """Share of the reward paid only for an exact (normalised) match."""

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from workloads import graders
-from workloads.graders import GradeResult, grade, similarity
-from workloads.tasks import Task
+from workloads.graders import wordmap as graders
+from workloads.graders.wordmap import GradeResult, grade, similarity
+from workloads.tasksets.wordmap import Task
 
 TASK = Task(task_id="wordmap-test-0000", prompt="p", target="return true", file_name="out_12.txt", topic="success")
 

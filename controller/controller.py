@@ -23,14 +23,14 @@ from controller import wire
 from controller.cells import Cell, CellRegistry
 from controller.checkpoints import Checkpoint, latest_checkpoint
 from controller.config import GyreConfig
-from controller.executions import Execution, ExecutionManager
+from controller.executions import Execution, ExecutionManager, ProxyEndpoint
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
 from controller.report import MetricsSink
 from controller.scheduler import SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 from controller.slurm_launch import SlurmCells, resolve_host
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
-from workloads.tasksets.wordmap import make_tasks
+from workloads.parts import build_parts
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,10 @@ class Controller:
         # A requeued job (same run folder): the core starts from the newest complete checkpoint.
         self.resume_from = latest_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
         self.metrics = MetricsSink(run_dir / "metrics.jsonl")
-        self.train_tasks, self.eval_tasks = make_tasks(cfg.workload)
+        # What the run works on and through what (task set, harness, sandbox): built before any
+        # process starts, so a missing harness binary or sandbox stops the run here.
+        self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox)
+        self.train_tasks, self.eval_tasks = self.parts.taskset.split()
         self.rng = random.Random(cfg.run.seed)
         self.secret = secrets.token_bytes(32)
         self.children: dict[str, object] = {}
@@ -117,11 +120,15 @@ class Controller:
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
-            ["--processor", proc_ready["records_addr"], "--secret-hex", self.secret.hex()],
+            ["--processor", proc_ready["records_addr"], "--secret-hex", self.secret.hex(),
+             "--unix-socket", str(self.run_dir / "proxy.sock")],
         )
         self.proxy_url = proxy_ready["url"]
+        unix_socket = proxy_ready.get("unix_socket")
         self.executions = ExecutionManager(
-            workload=c.workload, work_dir=self.attempt_dir("work"), proxy_url=self.proxy_url,
+            workload=c.workload, taskset=self.parts.taskset, harness=self.parts.harness, sandbox=self.parts.sandbox,
+            work_dir=self.attempt_dir("work"),
+            proxy=ProxyEndpoint(url=self.proxy_url, unix_socket=Path(unix_socket) if unix_socket else None),
             model_name=c.proxy.model_name, secret=self.secret,
         )
         cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir,
@@ -455,7 +462,9 @@ class Controller:
 
     def on_execution_ended(self, ex: Execution) -> None:
         self.metrics.log("execution", t=time.monotonic() - self.t0, id=ex.execution_id, step=ex.step, train=ex.train,
-                         outcome=ex.outcome, run_s=ex.ended_at - ex.started_at)
+                         task=ex.task.task_id, harness=self.cfg.harness.kind, outcome=ex.outcome,
+                         run_s=ex.ended_at - ex.started_at, reward=ex.reward, state=ex.state,
+                         error=ex.error[:300] if ex.error else "")
         if ex.train:  # the processor answers a training group with GroupDone, which takes this out
             self.group_last_end[ex.group_id] = max(ex.ended_at, self.group_last_end.get(ex.group_id, 0.0))
         self.send_to("processor", wire.Grade(

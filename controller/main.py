@@ -22,6 +22,7 @@ from controller.processes import StartError
 from controller.report import plot_rewards, plot_roles, write_markdown, write_summary
 from controller.submit import SubmititLauncherConfig, build_launcher, submit_run
 from controller.typed_config import ConfigError
+from workloads.parts import PartsError
 
 log = logging.getLogger("gyre")
 # conf/ sits beside the packages; an absolute path works for editable installs and plain checkouts.
@@ -75,6 +76,9 @@ def _hydra_main(raw: DictConfig) -> None:
         sys.exit(submit_run(launcher, cfg, list(HydraConfig.get().overrides.task)))
     try:
         run(cfg)
+    except PartsError as exc:  # a harness not installed, no sandbox: nothing was started
+        print(f"gyre: {exc}", file=sys.stderr)
+        sys.exit(2)
     except (StartError, RunFailed) as exc:
         print(f"gyre: run failed: {exc}", file=sys.stderr)
         sys.exit(1)

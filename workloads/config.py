@@ -103,8 +103,8 @@ class ClaudeCodeHarnessConfig:
     """``--bare``: no CLAUDE.md, plugins, memory or attribution; a short system prompt and Bash/Edit/Read."""
     system_prompt: str
     """'' keeps Claude Code's own; else ``--system-prompt`` (shapes the agent, the binary unchanged)."""
-    tools: str
-    """'' keeps Claude Code's tools; else ``--tools`` (e.g. ``Bash,Read,Edit``, or ``""`` for none)."""
+    tools: str | None
+    """null keeps Claude Code's tools; else ``--tools`` (e.g. ``Bash,Read,Edit``, or ``""`` for none)."""
     max_turns: int
     """``--max-turns`` (0: Claude Code's own limit)."""
     extra_args: tuple[str, ...]

@@ -1,6 +1,6 @@
 """The bundled black-box harness: a file-writing agent that only speaks HTTP.
 
-    python -m workloads.harness --base-url http://127.0.0.1:PORT/v1 --api-key TOKEN \\
+    OPENAI_API_KEY=TOKEN python -m workloads.harness --base-url http://127.0.0.1:PORT/v1 \\
         --workspace DIR --max-turns N --max-tokens M --temperature T --model NAME \\
         [--think-median-s S --think-sigma X --think-max-s S --think-seed N]
 
@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="workloads.harness", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--api-key", required=True, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY; on argv it is readable in /proc)")
     p.add_argument("--workspace", required=True)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=8)
@@ -193,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--think-max-s", type=float, default=40.0)
     p.add_argument("--think-seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not args.api_key:
+        p.error("--api-key or $OPENAI_API_KEY: the execution's token")
     if args.max_turns < 1 or args.max_tokens < 1:
         p.error("--max-turns and --max-tokens: want >= 1")
     if not (math.isfinite(args.think_median_s) and args.think_median_s >= 0 and args.think_sigma >= 0

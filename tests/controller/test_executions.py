@@ -9,16 +9,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.executions import ExecutionManager
+from controller.executions import ExecutionManager, ProxyEndpoint
 from controller.typed_config import build
-from workloads.config import WorkloadConfig
+from workloads.config import BundledHarnessConfig, WorkloadConfig
+from workloads.harnesses.bundled import BundledHarness
+from workloads.sandbox.none import NoSandbox
 from workloads.tasksets.wordmap import make_tasks
+from workloads.tasksets.wordmap_set import WordmapTaskSet
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def workload(**over) -> WorkloadConfig:
     return replace(build(WorkloadConfig, yaml.safe_load((ROOT / "conf/workload/wordmap.yaml").read_text())), **over)
+
+
+def manager(tmp_path: Path, cfg: WorkloadConfig, proxy_url: str, harness=None) -> ExecutionManager:
+    """The bundled harness, unconfined (the sandboxes have tests of their own), against ``proxy_url``."""
+    return ExecutionManager(
+        workload=cfg, taskset=WordmapTaskSet(cfg), harness=harness or BundledHarness(BundledHarnessConfig(kind="bundled")),
+        sandbox=NoSandbox(), work_dir=tmp_path / "work", proxy=ProxyEndpoint(url=proxy_url), model_name="m",
+        secret=b"k" * 32,
+    )
 
 
 def wait_ended(mgr: ExecutionManager, deadline_s: float = 30.0):
@@ -34,7 +46,7 @@ def wait_ended(mgr: ExecutionManager, deadline_s: float = 30.0):
 def launch_one(tmp_path: Path, cfg: WorkloadConfig, proxy_url: str):
     """Plan and launch one execution of the first training task against ``proxy_url``."""
     task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url=proxy_url, model_name="m", secret=b"k" * 32)
+    mgr = manager(tmp_path, cfg, proxy_url)
     (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
     mgr.launch(ex, time.monotonic())
     return mgr, ex, task
@@ -45,6 +57,7 @@ def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     mgr, ex, task = launch_one(tmp_path, workload(timeout_s=1.0), f"http://127.0.0.1:{silent.getsockname()[1]}")
+    ex.spawning.result(timeout=30)  # the workspace is laid out on a spawner thread
     (ex.workspace / task.file_name).write_text(task.target)  # work the run left before it hung
     (ended,) = wait_ended(mgr)
     silent.close()
@@ -55,13 +68,13 @@ def test_timed_out_run_is_graded_from_its_workspace(tmp_path):
 
 def test_a_harness_that_cannot_start_is_a_crash_not_a_hang(tmp_path, monkeypatch):
     """The spawn runs off the control loop; when it fails, the execution is excluded as crashed."""
-    import controller.executions as executions
+    import workloads.harnesses.bundled as bundled
 
     cfg = workload(timeout_s=60.0)
-    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url="http://127.0.0.1:9", model_name="m",
-                           secret=b"k" * 32)
+    mgr = manager(tmp_path, cfg, "http://127.0.0.1:9")
     (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=make_tasks(cfg)[0][0], train=True, temperature=1.0, size=1)
-    monkeypatch.setattr(executions.sys, "executable", str(tmp_path / "no-such-python"))
+    monkeypatch.setattr(bundled, "SYSTEM_PYTHON", tmp_path / "no-such-python")
+    monkeypatch.setattr(bundled.sys, "executable", str(tmp_path / "no-such-python"))
     mgr.launch(ex, time.monotonic())
     (ended,) = wait_ended(mgr)
     assert ended.outcome == "crashed" and ended.reward is None and "did not start" in ended.error
@@ -91,18 +104,17 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
     silent.listen(8)
     cfg = workload(timeout_s=5.0)
     task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           model_name="m", secret=b"k" * 32)
+    mgr = manager(tmp_path, cfg, f"http://127.0.0.1:{silent.getsockname()[1]}")
     (ex,) = mgr.plan_group(step=4, group_id="s4-g0", task=task, train=True, temperature=1.0, size=1, min_version=3)
     mgr.launch(ex, time.monotonic())
     try:
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         proc = ex.spawning.result(timeout=30)  # spawned on the manager's spawner threads
         assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + cfg.harness_nice)
-        # Popen's own argv, not /proc/<pid>/cmdline: that reads empty once the child has exited
-        # (seen once in CI), and the argv is what the harness was given either way.
-        token = proc.args[proc.args.index("--api-key") + 1]
+        # The token travels in the environment, never on argv (readable by any local user in /proc).
+        token = _environ(proc.pid)["OPENAI_API_KEY"]
         assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3)
+        assert token not in " ".join(proc.args)
     finally:
         ex.spawning.result().kill()
         ex.spawning.result().wait()
@@ -112,8 +124,7 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
 def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
     cfg = workload()
     task = make_tasks(cfg)[0][0]
-    mgr = ExecutionManager(workload=cfg, work_dir=tmp_path / "work", proxy_url="http://127.0.0.1:9", model_name="m",
-                           secret=b"k" * 32)
+    mgr = manager(tmp_path, cfg, "http://127.0.0.1:9")
     a = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=2)
     b = mgr.plan_group(step=0, group_id="s0-g1", task=task, train=True, temperature=1.0, size=2)
     mgr.plan_group(step=1, group_id="s1-g0", task=task, train=True, temperature=1.0, size=1)
@@ -127,3 +138,22 @@ def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
     b[1].move("crashed")
     assert mgr.ended_groups(0) == {"s0-g0", "s0-g1"}
     assert mgr.ended_groups(1) == set()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_harness_output_and_grade_are_kept_in_the_execution_folder(tmp_path):
+    """stdout and stderr apart, the prompt as a file outside the workspace, grade.json beside them."""
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    mgr, ex, task = launch_one(tmp_path, workload(timeout_s=60.0), f"http://127.0.0.1:{port}")
+    (ended,) = wait_ended(mgr, 60.0)
+    folder = tmp_path / "work" / ex.execution_id
+    assert "harness: error" in (folder / "stderr.log").read_text()
+    assert (folder / "stdout.log").exists() and (folder / "prompt.md").read_text() == task.prompt
+    assert ex.workspace == folder / "workspace" and (folder / "workspace" / "TASK.md").exists()

@@ -1,5 +1,5 @@
 """The proxy process: ``python -m harness_proxy.main --config-json F --controller ADDR --processor ADDR
---secret-hex HEX --ready-file F``.
+--secret-hex HEX --ready-file F [--unix-socket PATH]``.
 
 - ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", ...}}``.
 - ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
@@ -8,7 +8,13 @@
 - ``--processor``: a ZMQ PULL; the proxy PUSHes one ``CallRecord`` per successful call and, on a
   seal, ``ExecutionSealed`` after that execution's records (same socket, so the order holds).
 - ``--secret-hex``: the HMAC secret of the per-execution bearer tokens (``harness_proxy.auth``).
-- ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening.
+- ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening,
+  with ``"unix_socket": PATH`` added when it also listens there.
+- ``--unix-socket``: the same HTTP app also on this Unix socket (the relay inside each bwrap sandbox
+  connects there, as the sandbox has no network of its own). Mode 0600, set before it listens, so
+  only this user connects: sandboxes run as this same user (root on a development machine), and
+  other users of the node cannot reach the proxy through it. A stale socket file there is replaced;
+  the file is removed on exit.
 
 SIGTERM or SIGINT (or ``Shutdown``) stops it cleanly: HTTP closes, queued records are sent, exit 0.
 """
@@ -21,12 +27,15 @@ import json
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from controller import wire
 from controller.lifecycle import exit_with_parent
@@ -47,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--processor", required=True, help="trajectory processor PULL address for CallRecords")
     p.add_argument("--secret-hex", required=True, help="HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
+    p.add_argument("--unix-socket", type=Path, default=None,
+                   help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return p.parse_args(argv)
 
@@ -63,10 +74,37 @@ def load_config(path: Path) -> tuple[ProxyConfig, QwenTokenizer]:
     return cfg, get_tokenizer(kind, ranks)
 
 
-def write_ready_file(path: Path, url: str) -> None:
+def write_ready_file(path: Path, url: str, unix_socket: Path | None = None) -> None:
+    ready: dict[str, str] = {"url": url}
+    if unix_socket is not None:
+        ready["unix_socket"] = str(unix_socket)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"url": url}))
+    tmp.write_text(json.dumps(ready))
     os.replace(tmp, path)
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A bound Unix socket at ``path``, mode 0600 before anyone can connect (it listens only later)."""
+    if path.is_socket():
+        path.unlink()  # left by a proxy that was killed
+    elif path.exists() or path.is_symlink():
+        raise FileExistsError("exists and is not a socket")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_unix_socket(server: ProxyServer, path: Path) -> None:
+    """Serve the proxy's app, already started on TCP, on ``path`` too (same runner, same handlers)."""
+    runner = server._runner  # noqa: SLF001 -- one app, one runner: a second site, not a second app
+    assert runner is not None, "start the server first"
+    await web.SockSite(runner, bind_unix_socket(path)).start()
+    log.info("proxy listening on unix:%s", path)
 
 
 def handle_control_frame(server: ProxyServer, frame: bytes) -> tuple[wire.Message | None, bool]:
@@ -113,9 +151,15 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, se
         loop.add_signal_handler(sig, stop.set)
     try:
         url = await server.start()
+        if args.unix_socket is not None:
+            try:
+                await serve_unix_socket(server, args.unix_socket)
+            except OSError as exc:  # exists and is no socket, a path over 107 bytes, no such folder
+                log.error("proxy failed to start: --unix-socket %s: %s", args.unix_socket, exc)
+                return 2
         await control.send(wire.encode(wire.Hello(peer="proxy", pid=os.getpid())))
         control_task = loop.create_task(control_loop(control, server, stop))
-        write_ready_file(args.ready_file, url)
+        write_ready_file(args.ready_file, url, args.unix_socket)
         log.info("proxy ready: %s, controller %s, processor %s", url, args.controller, args.processor)
         stopped = loop.create_task(stop.wait())
         done, _ = await asyncio.wait({control_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -126,6 +170,8 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, se
     finally:
         log.info("proxy shutting down")
         await server.stop()
+        if args.unix_socket is not None and args.unix_socket.is_socket():
+            args.unix_socket.unlink()
         await sink.close()
         control.close()
         ctx.term()

@@ -107,3 +107,64 @@ def test_bad_config_exits_with_a_clear_error(tmp_path, sockets):
                   controller, processor)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and b"proxy.port: want int" in out
+
+
+def _get_over_unix(path: str, target: str) -> tuple[int, bytes]:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(path)
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_unix_socket_serves_the_same_app(tmp_path, sockets):
+    """--unix-socket: a stale socket file is replaced, mode 0600, announced, served, removed on exit."""
+    import socket
+    import stat
+
+    _, _, controller, processor = sockets
+    sock_path = tmp_path / "proxy.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock_path))  # what a killed proxy leaves behind
+    stale.close()
+    cfg = tmp_path / "proxy.json"
+    cfg.write_text(json.dumps({"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}}))
+    argv = [sys.executable, "-m", "harness_proxy.main", "--config-json", str(cfg), "--controller", controller,
+            "--processor", processor, "--secret-hex", SECRET.hex(), "--ready-file", str(tmp_path / "proxy.ready")]
+    proc = subprocess.Popen([*argv, "--unix-socket", str(sock_path)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        ready = tmp_path / "proxy.ready"
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "proxy not ready"
+            time.sleep(0.02)
+        announced = json.loads(ready.read_text())
+        assert announced["unix_socket"] == str(sock_path) and announced["url"].startswith("http://")
+        assert stat.S_IMODE(sock_path.stat().st_mode) == 0o600
+        status, body = _get_over_unix(str(sock_path), "/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        status, body = _get_over_unix(str(sock_path), "/v1/models")
+        assert status == 200 and b"gyre-policy" in body
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not sock_path.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+    # a path that is no socket is never removed: the proxy refuses to start
+    sock_path.write_text("not a socket")
+    out = subprocess.run([*argv, "--unix-socket", str(sock_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    assert out.returncode == 2 and b"exists and is not a socket" in out.stdout
+    assert sock_path.read_text() == "not a socket"

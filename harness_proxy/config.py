@@ -16,6 +16,11 @@ class ProxyConfig:
     max_context_tokens: int
     """Prompts longer than this are refused (400), never truncated."""
     max_new_tokens_cap: int
+    truncation_ends_turn: bool
+    """A call cut by ``max_new_tokens_cap`` (the run's per-turn output budget, below what the harness
+    asked) is reported to the harness as an ended turn (``end_turn`` / ``stop``), so a harness such as
+    Claude Code does not spend calls asking the model to continue; the CallRecord keeps ``length``.
+    A cut at the harness's own ``max_tokens`` is always reported as such."""
     engine_timeout_s: float
     retry_attempts: int
     """Engines tried for one call before the harness gets an error (503 while re-routing)."""

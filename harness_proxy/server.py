@@ -200,6 +200,14 @@ class _Call:
     lineage: wire.Lineage = "main"
     agent_id: str = ""
     """The harness's agent id, recorded on the CallRecord ('' for the main agent)."""
+    capped_by_run: bool = False
+    """The run's own cap (``max_new_tokens_cap``), not the harness's ``max_tokens``, bounds this call."""
+
+    def harness_finish(self, engine_finish: str, ends_turn: bool) -> str:
+        """The finish the harness is told: with ``proxy.truncation_ends_turn``, a turn the run's cap cut
+        is an ended turn (the harness goes on instead of asking the model to continue); the
+        CallRecord keeps the engine's own ``length``."""
+        return "stop" if ends_turn and engine_finish == "length" and self.capped_by_run else engine_finish
 
 
 class PromptTooLong(ApiError):
@@ -361,7 +369,8 @@ class ProxyServer:
             )
             body = anthropic_api.message_body(
                 message_id=call.call_id, model=chat.model or self.cfg.model_name, reply=reply,
-                stop=anthropic_api.stop_reason(result.finish, reply), num_prompt=len(call.prompt_ids),
+                stop=anthropic_api.stop_reason(call.harness_finish(result.finish, self.cfg.truncation_ends_turn), reply),
+                num_prompt=len(call.prompt_ids),
                 num_output=len(result.output_ids),
             )
             return await self._respond_anthropic(request, body, stream=chat.stream)
@@ -436,7 +445,8 @@ class ProxyServer:
             make_reply=lambda parsed, output_ids: reply_message(parsed),
         )
         return await self._respond(
-            request, chat, call_id=call.call_id, message=message, finish=finish_reason(result.finish, message),
+            request, chat, call_id=call.call_id, message=message,
+            finish=finish_reason(call.harness_finish(result.finish, self.cfg.truncation_ends_turn), message),
             num_prompt=len(call.prompt_ids), num_output=len(result.output_ids),
         )
 
@@ -489,14 +499,16 @@ class ProxyServer:
         if num_prompt >= limit:
             raise PromptTooLong(num_prompt, limit)
         cap = self.cfg.max_new_tokens_cap
+        max_new = min(chat.max_tokens or cap, cap, limit - num_prompt)
         sampling = {
-            "max_new_tokens": min(chat.max_tokens or cap, cap, limit - num_prompt),
+            "max_new_tokens": max_new,
             "temperature": chat.temperature, "top_p": chat.top_p,
             "stop_token_ids": [self.tok.im_end, self.tok.endoftext],
         }
         call = _Call(
             execution_id=execution_id, agent=agent, call_id=call_id, prompt_ids=plan.prompt_ids,
             sampling_params=sampling, lineage=lineage, agent_id=agent_id,
+            capped_by_run=max_new == cap and (chat.max_tokens is None or cap < chat.max_tokens),
         )
         return call, plan.spliced
 

@@ -33,7 +33,8 @@ TOK = get_tokenizer("qwen_compact", 4096)
 
 PROXY_CONFIG = {
     "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536,
-    "max_context_tokens": 2048, "max_new_tokens_cap": 64, "engine_timeout_s": 20.0, "retry_attempts": 3, "route_wait_s": 0.3,
+    "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
+    "retry_attempts": 3, "route_wait_s": 0.3,
 }
 
 

@@ -49,7 +49,7 @@ class EvalRound:
 
     @property
     def done(self) -> bool:
-        return all(not ex.live for ex in self.executions)
+        return all(ex.settled for ex in self.executions)
 
     def mean(self) -> float | None:
         """Mean reward of the graded runs: a grader failure or a crashed harness is left out
@@ -548,7 +548,7 @@ class Controller:
         elif self.stage == "final":
             alive = self.cells.alive()
             synced = all(c.phase == "serving" and c.weight_version == self.steps.version for c in alive)
-            if synced and not any(ex.live for ex in self.executions.executions.values()):
+            if synced and all(ex.settled for ex in self.executions.executions.values()):
                 if self.cfg.run.eval_at_end:
                     self.stage = "eval_end"
                     self.start_eval("end")

@@ -94,6 +94,11 @@ class Execution:
     def live(self) -> bool:
         return self.state in ("queued", "running")
 
+    @property
+    def settled(self) -> bool:
+        """Graded or excluded: a run that ended may still be with its grader (hidden tests take seconds)."""
+        return self.state in ("graded", "grade_failed")
+
 
 class ExecutionManager:
     """Plans, launches, reaps and grades executions: the task set lays out each workspace, the

@@ -87,7 +87,9 @@ def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: Cel
                             cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir,
                             node_rank=node, dist_init_addr=addr)
     return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
-                          cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed)
+                          cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed,
+                          prefix_cache_bytes=cfg.engine.prefix_cache_bytes,
+                          prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens)
 
 
 def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks) -> Any:

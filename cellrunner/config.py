@@ -70,9 +70,20 @@ class MooncakeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EmbeddedEngineConfig:
-    """The torch engine on SGLang's native API (cellrunner.engine): nothing to set."""
+    """Typed mirror of conf/engine/embedded.yaml: the torch engine on SGLang's native API (cellrunner.engine)."""
 
     kind: Literal["embedded"]
+    prefix_cache_bytes: int
+    """KV the prefix cache may hold, in bytes (0: off). The tiny model's KV is 512 bytes a token."""
+    prefix_cache_min_tokens: int
+    """Shortest cached prefix worth reusing: a hit prefills on a row of its own, so a few shared
+    template tokens would cost a short prompt its place in the batched prefill."""
+
+    def check(self) -> None:
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"engine.prefix_cache_bytes: want >= 0, got {self.prefix_cache_bytes}")
+        if self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"engine.prefix_cache_min_tokens: want >= 1, got {self.prefix_cache_min_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,11 @@ swaps in real SGLang with `engine=sglang`. Lifecycle (start / resume / update_we
 release / stop) is driven by the cellrunner, never by HTTP, except the SGLang-compatible
 `/update_weights_from_disk`.
 
+A prefix cache (`engine_batch.PrefixCache`) keeps the KV of finished requests: a prompt that
+starts with cached tokens (a session's earlier call, a harness's fixed system prompt) prefills
+only the rest, and `meta_info.cached_tokens` says how many were reused, as in SGLang. It is
+emptied whenever the weights change and on drain and release.
+
 Not implemented: text prompts (token ids only), streaming, batch input, stop strings, penalties.
 The only stop condition besides length is `stop_token_ids`; the model has no built-in EOS.
 """
@@ -192,14 +197,20 @@ class EmbeddedEngine:
         cell_id: int,
         max_running: int,
         seed: int,
+        prefix_cache_bytes: int = 0,
+        prefix_cache_min_tokens: int = 1,
     ) -> None:
+        """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning)."""
         if max_running < 1:
             raise ValueError(f"max_running: want >= 1, got {max_running}")
         self._model_cfg = model_cfg
         self._vocab_size = vocab_size
         self._host, self._port = host, port
         self._cell_id = cell_id
-        self._batch_loop = BatchLoop(max_running=max_running, seed=seed, name=f"engine-gen-{cell_id}")
+        self._batch_loop = BatchLoop(
+            max_running=max_running, seed=seed, name=f"engine-gen-{cell_id}",
+            prefix_cache_bytes=prefix_cache_bytes, prefix_cache_min_tokens=prefix_cache_min_tokens,
+        )
         self._lifecycle = threading.Lock()  # one of resume/update/drain/release/stop at a time
         self._specs: tuple[TensorSpec, ...] | None = None  # manifest of the loaded weights, to read disk files
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -216,6 +227,14 @@ class EmbeddedEngine:
 
     def num_output_tokens(self) -> int:
         return self._batch_loop.num_output_tokens()
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens prefilled so far; the prefix cache's hits are not counted."""
+        return self._batch_loop.num_prefill_tokens()
+
+    def prefix_cache_usage(self) -> tuple[int, int]:
+        """(entries, bytes) held by the prefix cache."""
+        return self._batch_loop.prefix_cache_usage()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -262,6 +281,8 @@ class EmbeddedEngine:
                         "engine cell=%s: %s requests still open after abort", self._cell_id, self.num_running()
                     )
             num_aborted = self._batch_loop.num_aborted - aborted_before
+            # A drained cell goes on to train: whatever it serves next runs on other weights.
+            self._batch_loop.clear_prefix_cache()
         logger.info("engine cell=%s drained, %s aborted", self._cell_id, num_aborted)
         return num_aborted
 

@@ -2,7 +2,8 @@
 
 One generation thread owns the model and the batch. Requests join at decode-iteration boundaries
 (one left-padded prefill for the newcomers, whose KV rows are then merged into the running batch)
-and leave as soon as they finish. Weight swaps and model install/release run as control ops on
+and leave as soon as they finish. A finished request's KV goes to the `PrefixCache`; a newcomer
+whose prompt starts with cached tokens prefills only the rest, on its own row. Weight swaps and model install/release run as control ops on
 the same thread between iterations, so a forward pass never sees half-copied weights. HTTP lives
 in `engine.py`; this module knows nothing of it beyond building the response body.
 """
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -26,7 +28,13 @@ logger = logging.getLogger(__name__)
 # Padded tokens one prefill forward may hold: a long prompt is prefilled on its own instead of
 # padding every short newcomer up to its length.
 PREFILL_TOKEN_BUDGET = 16384
+# New tokens per forward when a prompt extends cached KV: a query chunk against all keys needs an
+# explicit [chunk, keys] mask, so chunks keep it small however long the prompt.
+EXTEND_CHUNK_TOKENS = 4096
 TOP_K_ALL = -1
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer (keys, values), each [kv_heads, tokens, head_dim]: one sequence's cache, no batch axis."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,6 +56,8 @@ class GenRequest:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     version_spans: list[list[int]] = dataclasses.field(default_factory=list)  # [version, start, end)
     abort_message: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    kv_epoch: int = -1  # the weights epoch its KV was computed under (BatchLoop._epoch)
 
     def push(self, token: int, logprob: float, version: int) -> dict[str, Any] | None:
         """Record one sampled token; return the finish reason if the request is now done."""
@@ -75,7 +85,7 @@ class GenRequest:
             "finish_reason": finish_reason,
             "prompt_tokens": len(self.input_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": None if version is None else str(version),
             "weight_versions": [{"version": str(v), "start": s, "end": e} for v, s, e in self.version_spans],
             "e2e_latency": time.monotonic() - self.arrival_s,
@@ -130,6 +140,81 @@ def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    tokens: np.ndarray  # int64
+    kv: KV
+    nbytes: int
+
+
+class PrefixCache:
+    """The KV of finished requests' token sequences, bounded by bytes, least recently used out first.
+
+    `match` takes the longest common prefix of a prompt with any entry, not only whole entries:
+    the KV of positions [0, n) depends on tokens [0, n) alone, so a harness's fixed system prompt
+    and tools hit across executions as well as a session's earlier call (its prompt + output).
+    An entry that is a prefix of a newer one is dropped, since the newer answers every lookup it
+    would. Entries hold KV of one set of weights: the owner clears the cache when they change.
+    Only the generation thread touches it.
+    """
+
+    def __init__(self, *, max_bytes: int, min_tokens: int) -> None:
+        if max_bytes < 0 or min_tokens < 1:
+            raise ValueError(f"prefix cache: want max_bytes >= 0 and min_tokens >= 1, got {max_bytes}, {min_tokens}")
+        self.max_bytes, self.min_tokens = max_bytes, min_tokens
+        self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self._next_key = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def match(self, tokens: list[int]) -> tuple[int, KV | None]:
+        """(n, KV of tokens[:n]) for the longest cached prefix, n >= min_tokens; else (0, None)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        best_key, best_n = None, 0
+        for key, entry in self._entries.items():
+            n = _common_prefix(ids, entry.tokens)
+            if n > best_n:
+                best_key, best_n = key, n
+        if best_key is None or best_n < self.min_tokens:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        return best_n, [(k[:, :best_n], v[:, :best_n]) for k, v in self._entries[best_key].kv]
+
+    def insert(self, tokens: list[int], kv: KV) -> None:
+        """Keep a copy of `kv` (views are fine) as the KV of `tokens`, unless already held or too big."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        if len(ids) < self.min_tokens or nbytes > self.max_bytes:
+            return
+        for key, entry in list(self._entries.items()):
+            n = _common_prefix(ids, entry.tokens)
+            if n == len(ids):  # held already, inside an entry at least as long
+                self._entries.move_to_end(key)
+                return
+            if n == len(entry.tokens):  # the new entry answers every lookup this one would
+                self._drop(key)
+        while self.nbytes + nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[self._next_key] = _Entry(ids, [(k.clone(), v.clone()) for k, v in kv], nbytes)
+        self._next_key += 1
+        self.nbytes += nbytes
+
+    def _drop(self, key: int) -> None:
+        self.nbytes -= self._entries.pop(key).nbytes
+
+
 class KVBatch:
     """The running rows and their KV cache, left-padded so every row ends at the same column.
 
@@ -164,6 +249,26 @@ class KVBatch:
         )
         self._merge(new, cache, mask, torch.tensor(lengths))
         return out.logits[:, -1]
+
+    def extend(self, model: torch.nn.Module, req: GenRequest, past: KV) -> torch.Tensor:
+        """Prefill `req` on a row of its own on top of `past`, the KV of its first tokens, in chunks
+        of EXTEND_CHUNK_TOKENS; merge the row; return its next-token logits [1, V]."""
+        ids, cached = req.input_ids, past[0][0].shape[1]
+        if not 0 < cached < len(ids):
+            raise ValueError(f"extend: {cached} cached tokens for a prompt of {len(ids)}")
+        cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in past])
+        for start in range(cached, len(ids), EXTEND_CHUNK_TOKENS):
+            end = min(start + EXTEND_CHUNK_TOKENS, len(ids))
+            out = model(
+                input_ids=torch.tensor([ids[start:end]]), attention_mask=torch.ones(1, end, dtype=torch.long),
+                position_ids=torch.arange(start, end)[None], cache=cache, use_cache=True, logits_to_keep=1,
+            )
+        self._merge([req], cache, torch.ones(1, len(ids), dtype=torch.long), torch.tensor([len(ids)]))
+        return out.logits[:, -1]
+
+    def row_kv(self, row: int, num_tokens: int) -> KV:
+        """Views of row `row`'s KV over its last `num_tokens` columns (its real tokens end there)."""
+        return [(k[row, :, -num_tokens:], v[row, :, -num_tokens:]) for k, v, _ in self._cache]
 
     def decode(self, model: torch.nn.Module) -> torch.Tensor:
         """One decode iteration over every row; return next-token logits [B, V]."""
@@ -219,12 +324,21 @@ class KVBatch:
 class BatchLoop:
     """The generation thread: admits waiting requests, runs prefill and decode iterations, answers.
 
-    Any thread may submit, abort, count or queue a control op; the model, the KVBatch and the
-    sampler's generator are touched only by the loop thread. `_cond` guards the rest.
+    Any thread may submit, abort, count or queue a control op; the model, the KVBatch, the prefix
+    cache and the sampler's generator are touched only by the loop thread. `_cond` guards the rest.
+    `prefix_cache_bytes` 0 turns the prefix cache off.
     """
 
-    def __init__(self, *, max_running: int, seed: int, name: str) -> None:
+    def __init__(
+        self, *, max_running: int, seed: int, name: str, prefix_cache_bytes: int = 0, prefix_cache_min_tokens: int = 1
+    ) -> None:
         self._max_running = max_running
+        self._prefix = (
+            PrefixCache(max_bytes=prefix_cache_bytes, min_tokens=prefix_cache_min_tokens) if prefix_cache_bytes else None
+        )
+        # Bumped whenever the weights change: KV computed under an older epoch is never cached.
+        self._epoch = 0
+        self._num_prefill_tokens = 0  # prompt tokens run through the model (cache hits excluded)
         self._generator = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: collections.deque[GenRequest] = collections.deque()
@@ -261,6 +375,11 @@ class BatchLoop:
         """Tokens generated so far by the requests still active (a load figure, like SGLang's)."""
         with self._cond:
             return sum(len(r.output_ids) for r in self._active)
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens prefilled since start, without the cached ones and without padding."""
+        with self._cond:
+            return self._num_prefill_tokens
 
     def set_accepting(self, accepting: bool) -> None:
         with self._cond:
@@ -312,6 +431,7 @@ class BatchLoop:
     def install(self, model: torch.nn.Module, version: int) -> None:
         def op() -> None:
             self._model, self._version, self._batch = model, version, KVBatch()
+            self._new_epoch()
 
         self.call(op)
 
@@ -321,6 +441,7 @@ class BatchLoop:
         def op() -> None:
             if self._model is None:
                 raise RuntimeError("no model loaded: resume() first")
+            self._new_epoch()  # first: a failed load may have copied some tensors already
             self._version = load(self._model)
 
         self.call(op)
@@ -328,8 +449,16 @@ class BatchLoop:
     def release(self) -> None:
         def op() -> None:
             self._model, self._version, self._batch = None, None, KVBatch()
+            self._new_epoch()
 
         self.call(op)
+
+    def clear_prefix_cache(self) -> None:
+        self.call(self._new_epoch)
+
+    def prefix_cache_usage(self) -> tuple[int, int]:
+        """(entries, bytes) of the prefix cache; (0, 0) when it is off."""
+        return self.call(lambda: (0, 0) if self._prefix is None else (len(self._prefix), self._prefix.nbytes))
 
     def stop(self) -> None:
         with self._cond:
@@ -384,7 +513,7 @@ class BatchLoop:
                 self._drop_aborted()
                 new = [r for r in admitted if not self._finish_early(r)]
                 if new:
-                    logits = self._batch.prefill(self._model, new)
+                    logits = self._prefill(new)
                     self._advance(logits, start=len(self._batch.reqs) - len(new))
                 if self._batch.reqs:
                     self._advance(self._batch.decode(self._model), start=0)
@@ -394,6 +523,38 @@ class BatchLoop:
             for r in admitted + self._batch.reqs:
                 self._complete(r, 500, error)
             self._batch = KVBatch()
+
+    def _new_epoch(self) -> None:
+        self._epoch += 1
+        if self._prefix is not None:
+            self._prefix.clear()
+
+    def _prefill(self, new: list[GenRequest]) -> torch.Tensor:
+        """Prefill `new` and merge their rows: the prompts with a cached prefix one by one over
+        their new tokens, the rest in one padded batch. Returns the logits in merge order."""
+        fresh, hits = [], []
+        for r in new:
+            r.kv_epoch = self._epoch
+            # One token at least must run through the model to give the next-token logits.
+            n, past = (0, None) if self._prefix is None else self._prefix.match(r.input_ids[:-1])
+            if past is None:
+                fresh.append(r)
+            else:
+                r.cached_tokens = n
+                hits.append((r, past))
+        logits = [self._batch.prefill(self._model, fresh)] if fresh else []
+        logits += [self._batch.extend(self._model, r, past) for r, past in hits]
+        with self._cond:
+            self._num_prefill_tokens += sum(len(r.input_ids) - r.cached_tokens for r in new)
+        return torch.cat(logits)
+
+    def _keep_kv(self, row: int, r: GenRequest) -> None:
+        """Put a finishing row's KV in the prefix cache: its prompt and every output token but
+        the last, which was sampled and never run (SGLang caches the same)."""
+        if self._prefix is None or r.kv_epoch != self._epoch or not r.output_ids:
+            return
+        tokens = r.input_ids + r.output_ids[:-1]
+        self._prefix.insert(tokens, self._batch.row_kv(row, len(tokens)))
 
     def _finish_early(self, r: GenRequest) -> bool:
         """Answer a just-admitted request that needs no forward pass; True if answered."""
@@ -411,6 +572,7 @@ class BatchLoop:
             if r.abort_message is None:
                 keep.append(i)
             else:
+                self._keep_kv(i, r)
                 self._finish(r, {"type": "abort", "message": r.abort_message})
         self._batch.keep(keep)
 
@@ -425,6 +587,7 @@ class BatchLoop:
             if reason is None:
                 keep.append(start + i)
             else:
+                self._keep_kv(start + i, r)
                 self._finish(r, reason)
         self._batch.keep(keep)
 

@@ -301,7 +301,7 @@ def test_sixteen_concurrent_requests_all_answered(engine) -> None:
         ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
         ({"input_ids": [1], "rid": 5}, "rid"),
         ({"input_ids": [1], "stream": True}, "stream"),
-        ({"input_ids": [1] * 2000, "sampling_params": {"max_new_tokens": 49}}, "context length"),
+        ({"input_ids": [1] * 65_500, "sampling_params": {"max_new_tokens": 49}}, "context length"),  # tiny: 65,536
         ([1, 2, 3], "object"),
     ],
 )
@@ -446,3 +446,15 @@ def test_update_weights_from_disk_round_trip(engine, weights, reference, tmp_pat
     status, reply = call(engine, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert status == 400 and reply["success"] is False
     assert engine.weight_version == 7
+
+
+# ---------------------------------------------------------------- long contexts
+
+
+def test_prompt_past_the_old_2048_limit_is_served(engine, reference, model_cfg) -> None:
+    """Harness prompts are tens of thousands of ids (Claude Code's first: ~22k with 1,024 ranks)."""
+    assert model_cfg.max_position_embeddings >= 65536
+    prompt = prompt_of(6000, start=21)
+    reply = generate(engine, prompt, max_new_tokens=8, temperature=0.0)
+    assert reply["meta_info"]["prompt_tokens"] == 6000
+    assert_logprobs_match(reference, reply, prompt, 0)

@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 
 
 def make_sandbox(cfg: SandboxConfig) -> Sandbox:
-    """The sandbox ``cfg`` names; ``auto`` is bwrap where it runs here, else none (logged loudly)."""
+    """The sandbox ``cfg`` names; ``auto`` is bwrap where it runs here, else none (logged loudly).
+
+    Raises ``SandboxUnavailable`` for ``bwrap`` or ``apptainer`` named explicitly but not runnable here.
+    """
     if cfg.kind == "none":
         return NoSandbox()
     if cfg.kind in ("bwrap", "auto"):
@@ -31,8 +34,11 @@ def make_sandbox(cfg: SandboxConfig) -> Sandbox:
             raise SandboxUnavailable(f"sandbox=bwrap: {problem} (install Debian's bubblewrap: make system-packages)")
         log.warning("SANDBOX OFF: sandbox=auto found no working bwrap (%s); harnesses run unconfined", problem)
         return NoSandbox()
-    from workloads.sandbox.apptainer import ApptainerSandbox
+    from workloads.sandbox.apptainer import ApptainerSandbox, apptainer_problem
 
+    problem = apptainer_problem(cfg.binary, cfg.image)
+    if problem:
+        raise SandboxUnavailable(f"sandbox=apptainer: {problem}")
     return ApptainerSandbox(cfg)
 
 

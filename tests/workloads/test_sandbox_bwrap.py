@@ -243,6 +243,8 @@ def test_no_network_for_graders(layout, proxy):
     r = _run(SandboxSpec(argv=[PY, "-c", script], workspace=ws, env={"PATH": "/usr/bin"}, network="none"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ConnectionRefusedError", "/home/sandbox"]  # and a tmpfs home without spec.home
+    r = _run(SandboxSpec(argv=[PY, "-c", script], workspace=ws, env={"PATH": "/usr/bin", "HOME": str(ws)}, network="none"))
+    assert r.stdout.split() == ["ConnectionRefusedError", str(ws)]  # a HOME the caller chose (graders: the workspace)
 
 
 def test_relay_passes_exit_codes_and_forwards_signals(layout, proxy):

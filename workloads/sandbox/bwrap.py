@@ -4,8 +4,8 @@ What bwrap enforces for one ``SandboxSpec`` (every path at the same place inside
 
 - Files: a read-only system (``/usr``, ``/etc`` and the ``/bin``, ``/lib*``, ``/sbin`` that exist,
   merged-/usr symlinks kept as symlinks) on an otherwise empty, read-only root. The workspace is
-  writable and the cwd; ``spec.home`` is writable and ``$HOME`` (without one, ``$HOME`` is an empty
-  tmpfs at ``/home/sandbox``); ``cfg.ro_paths`` and ``spec.ro_paths`` are read-only, visible though
+  writable and the cwd; ``spec.home`` is writable and ``$HOME`` (without one, an empty tmpfs at
+  ``/home/sandbox`` is ``$HOME`` unless ``spec.env`` sets it); ``cfg.ro_paths`` and ``spec.ro_paths`` are read-only, visible though
   their parents are not. ``/tmp`` is a private tmpfs, ``/proc`` a new procfs of the sandbox's own
   PIDs, ``/dev`` a minimal one (null, zero, random, tty, pts, shm...). Nothing else exists: not the
   project folder, ``/root``, the run folder, the tokens, other workspaces, other users' files.
@@ -98,8 +98,8 @@ class BwrapSandbox:
                 "--tmpfs", "/tmp", "--bind", str(spec.workspace), str(spec.workspace)]
         if spec.home is not None:
             argv += ["--bind", str(spec.home), str(spec.home), "--setenv", "HOME", str(spec.home)]
-        else:
-            argv += ["--tmpfs", TMPFS_HOME, "--setenv", "HOME", TMPFS_HOME]
+        else:  # an empty private home; HOME points there unless spec.env chose one (a grader: its workspace)
+            argv += ["--tmpfs", TMPFS_HOME] + ([] if "HOME" in spec.env else ["--setenv", "HOME", TMPFS_HOME])
         for path in ro_paths:  # after the workspace, so a read-only path inside it stays read-only
             argv += ["--ro-bind", str(path), str(path)]
         command = list(spec.argv)

@@ -260,7 +260,8 @@ class Controller:
             wire.RoleSwitched: self.on_role_switched, wire.MicrostepDone: self.on_microstep_done,
             wire.GradsSent: self.on_grads_sent, wire.StepApplied: self.on_step_applied,
             wire.WeightsLoaded: self.on_weights_loaded, wire.ShardReady: self.on_shard_ready,
-            wire.GroupDone: self.on_group_done, wire.ErrorReply: self.on_error_reply,
+            wire.GroupDone: self.on_group_done, wire.ExecutionFacts: self.on_execution_facts,
+            wire.ErrorReply: self.on_error_reply,
         }.get(type(msg))
         if handler is None:
             self.num_bad_frames += 1
@@ -380,6 +381,13 @@ class Controller:
             if n < MAX_REPLACEMENT_GROUPS_PER_STEP:
                 self.replacements[msg.step] = n + 1
                 self.plan_groups(msg.step, 1, tag=f"r{n}")
+
+    def on_execution_facts(self, ident: bytes, msg: wire.ExecutionFacts) -> None:
+        """What an execution did, counted from its CallRecords by the processor (the report's
+        per-execution and per-harness tables read these)."""
+        if not self._is_peer(ident, "processor"):
+            return
+        self.metrics.log("execution_facts", t=time.monotonic() - self.t0, **wire.to_plain(msg))
 
     def on_error_reply(self, ident: bytes, msg: wire.ErrorReply) -> None:
         log.error("peer %r reports an error in %s: %s", ident, msg.where, msg.message)

@@ -431,8 +431,12 @@ class CallRecord(Message):
     agent_id: str = ""
     started_at: float
     finished_at: float
+    num_tool_calls: int = 0
+    """Tool calls the proxy parsed out of the output (for per-execution facts; never for training)."""
 
     def check(self) -> None:
+        if self.num_tool_calls < 0:
+            raise ValueError("num_tool_calls: want >= 0")
         if len(self.output_ids) != len(self.output_logprobs):
             raise ValueError("output_logprobs: want one per output token")
         if not self.prompt_ids:
@@ -441,6 +445,33 @@ class CallRecord(Message):
         for lp in self.output_logprobs:
             if not (lp <= 0.0 and math.isfinite(lp)):
                 raise ValueError(f"output_logprobs: want finite values <= 0, got {lp!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutionFacts(Message):
+    """What one execution did, from its CallRecords: the processor sends it to the controller once
+    the execution is graded and sealed (metrics.jsonl ``execution_facts``, the report)."""
+
+    TAG: ClassVar[str] = "execution_facts"
+    execution_id: str
+    num_calls: int
+    main_calls: int
+    """Turns of the main agent."""
+    summary_calls: int
+    """Compactions: main-summary and sub-agent-summary calls."""
+    sub_agent_calls: int
+    side_calls: int
+    hung_up_calls: int
+    num_sub_agents: int
+    prompt_tokens: int
+    """Summed over calls (a long session re-sends its history each call)."""
+    output_tokens: int
+    tool_calls: int
+
+    def check(self) -> None:
+        _non_negative(**{f: getattr(self, f) for f in (
+            "num_calls", "main_calls", "summary_calls", "sub_agent_calls", "side_calls", "hung_up_calls",
+            "num_sub_agents", "prompt_tokens", "output_tokens", "tool_calls")})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -563,7 +594,7 @@ MESSAGES: dict[str, type[Message]] = {
         Hello, CellReady, Heartbeat, RoleSwitched, MicrostepDone, GradsSent, StepApplied,
         WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, GroupStats, RunMicrostep,
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
-        ShardReady, GroupDone, CallRecord, ExecutionSealed, PullWeights, TensorSpec,
+        ShardReady, GroupDone, CallRecord, ExecutionFacts, ExecutionSealed, PullWeights, TensorSpec,
         WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked,
     )
 }

@@ -37,7 +37,7 @@ from harness_proxy.openai_api import (
     reply_message, stream_events, usage,
 )
 from harness_proxy.routing import Router
-from harness_proxy.sessions import SessionStore
+from harness_proxy.sessions import SESSION_MEMORY_BYTES, SessionStore
 from harness_proxy.template import ParsedOutput, parse_output, render_messages
 from harness_proxy.tokenizer import QwenTokenizer
 
@@ -213,7 +213,8 @@ class _Call:
 class PromptTooLong(ApiError):
     def __init__(self, num_prompt: int, limit: int):
         super().__init__(
-            400, f"prompt is too long: {num_prompt} tokens, the maximum context is {limit} tokens",
+            400, f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+            f"{num_prompt} tokens. Please reduce the length of the messages.",  # OpenAI's own words
             param="messages", code="context_length_exceeded",
         )
         self.num_prompt = num_prompt
@@ -225,7 +226,7 @@ class ProxyServer:
 
     def __init__(
         self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
-        calls_per_agent: int = 2,
+        session_memory_bytes: int = SESSION_MEMORY_BYTES,
     ):
         if not secret:
             raise ValueError("secret: empty")
@@ -233,7 +234,7 @@ class ProxyServer:
         self.tok = tokenizer
         self.sink = sink
         self.router = Router()
-        self.sessions = SessionStore(tokenizer, calls_per_agent=calls_per_agent)
+        self.sessions = SessionStore(tokenizer, memory_bytes=session_memory_bytes)
         self.minted = anthropic_api.MintedToolUses()
         self.url = ""
         self._secret = secret
@@ -441,7 +442,7 @@ class ProxyServer:
 
     async def _complete(self, request: web.Request, execution_id: str, chat: ChatRequest) -> web.StreamResponse:
         call, result, message = await self._run_call(
-            execution_id, chat, agent="", call_id=new_call_id(),
+            execution_id, chat, agent="", call_id=new_call_id(), lineage=None,  # no header: the sessions derive it
             make_reply=lambda parsed, output_ids: reply_message(parsed),
         )
         return await self._respond(
@@ -452,9 +453,12 @@ class ProxyServer:
 
     async def _run_call(
         self, execution_id: str, chat: ChatRequest, *, agent: str, call_id: str,
-        make_reply: Any, lineage: wire.Lineage = "main", agent_id: str = "",
+        make_reply: Any, lineage: wire.Lineage | None = None, agent_id: str = "",
     ) -> tuple[_Call, EngineResult, dict[str, Any]]:
         """Plan, generate, record, remember: the API-independent part of one call.
+
+        ``lineage`` (with ``agent`` and ``agent_id``) is what the harness's headers said (Claude
+        Code); None: the SessionStore derives the call's line from the execution's earlier calls.
 
         ``make_reply(ParsedOutput, output_ids) -> dict`` builds the assistant message in template form (what
         the harness will be told, and what the session remembers for the next call's splice).
@@ -470,10 +474,12 @@ class ProxyServer:
         result = await self._generate_tracked(exe, call)
         finished_at = time.time()
 
-        message = make_reply(parse_output(self.tok, result.output_ids), result.output_ids)
-        record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at)
+        parsed = parse_output(self.tok, result.output_ids)
+        message = make_reply(parsed, result.output_ids)
+        record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at,
+                                      num_tool_calls=len(parsed.tool_calls))
         self.sessions.remember(
-            execution_id, agent, messages=chat.messages, tools=chat.tools, reply=message,
+            execution_id, call.agent, messages=chat.messages, tools=chat.tools, reply=message,
             prompt_ids=call.prompt_ids, output_ids=result.output_ids,
         )
         try:
@@ -482,18 +488,20 @@ class ProxyServer:
             raise ApiError(503, f"the call could not be recorded ({exc}); retry", type="server_error") from None
         log.debug(
             "call %s execution %s #%d (%s %s): %d prompt ids (%s), %d output ids, %s, cell %d, weight v%d",
-            call.call_id, execution_id, record.call_index, lineage, agent_id or "-", len(call.prompt_ids),
+            call.call_id, execution_id, record.call_index, call.lineage, call.agent_id or "-", len(call.prompt_ids),
             "spliced" if spliced else "rendered", len(result.output_ids), result.finish,
             result.route.cell_id, result.weight_version,
         )
         return call, result, message
 
     def _plan_call(
-        self, execution_id: str, agent: str, chat: ChatRequest, *, call_id: str, lineage: wire.Lineage,
+        self, execution_id: str, agent: str, chat: ChatRequest, *, call_id: str, lineage: wire.Lineage | None,
         agent_id: str,
     ) -> tuple[_Call, bool]:
-        """Prompt ids and sampling for one call; refuse (400) a prompt that leaves no room to answer."""
-        plan = self.sessions.build_prompt(execution_id, agent, chat.messages, chat.tools)
+        """Prompt ids, line and sampling for one call; refuse (400) a prompt that leaves no room to answer."""
+        plan = self.sessions.build_prompt(
+            execution_id, agent, chat.messages, chat.tools, lineage=lineage, agent_id=agent_id
+        )
         num_prompt = len(plan.prompt_ids)
         limit = self.cfg.max_context_tokens
         if num_prompt >= limit:
@@ -506,14 +514,15 @@ class ProxyServer:
             "stop_token_ids": [self.tok.im_end, self.tok.endoftext],
         }
         call = _Call(
-            execution_id=execution_id, agent=agent, call_id=call_id, prompt_ids=plan.prompt_ids,
-            sampling_params=sampling, lineage=lineage, agent_id=agent_id,
+            execution_id=execution_id, agent=plan.agent, call_id=call_id, prompt_ids=plan.prompt_ids,
+            sampling_params=sampling, lineage=plan.lineage, agent_id=plan.agent_id,  # type: ignore[arg-type]
             capped_by_run=max_new == cap and (chat.max_tokens is None or cap < chat.max_tokens),
         )
         return call, plan.spliced
 
     def _record(
-        self, exe: _Execution, call: _Call, result: EngineResult, *, started_at: float, finished_at: float
+        self, exe: _Execution, call: _Call, result: EngineResult, *, started_at: float, finished_at: float,
+        num_tool_calls: int = 0,
     ) -> tuple[wire.CallRecord, asyncio.Future[None]]:
         """Queue the call's CallRecord. Synchronous, so no seal can slip between the check and the put:
         every record of an execution is queued before its ExecutionSealed."""
@@ -526,6 +535,7 @@ class ProxyServer:
             prompt_ids=call.prompt_ids, output_ids=result.output_ids, output_logprobs=result.output_logprobs,
             weight_version=result.weight_version, cell_id=result.route.cell_id, finish_reason=result.finish,
             lineage=call.lineage, agent_id=call.agent_id, started_at=started_at, finished_at=finished_at,
+            num_tool_calls=num_tool_calls,
         )
         record.check()
         exe.num_calls += 1

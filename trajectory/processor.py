@@ -45,6 +45,7 @@ import logging
 import math
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -53,6 +54,7 @@ import zmq
 from controller.wire import (
     CallRecord,
     ErrorReply,
+    ExecutionFacts,
     ExecutionSealed,
     Grade,
     GroupDone,
@@ -125,12 +127,46 @@ def _usable(grade: Grade) -> bool:
 
 
 @dataclass
+class _Facts:
+    """Running counts of one execution's calls, for ``ExecutionFacts`` (train and eval alike)."""
+
+    calls: int = 0
+    by_lineage: Counter = field(default_factory=Counter)
+    hung_up: int = 0
+    agents: set[str] = field(default_factory=set)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    tool_calls: int = 0
+    sent: bool = False
+
+    def add(self, record: CallRecord) -> None:
+        self.calls += 1
+        self.by_lineage[record.lineage] += 1
+        self.hung_up += record.finish_reason == "abort" and not record.output_ids
+        if record.lineage in ("sub-agent", "sub-agent-summary") and record.agent_id:
+            self.agents.add(record.agent_id)
+        self.prompt_tokens += len(record.prompt_ids)
+        self.output_tokens += len(record.output_ids)
+        self.tool_calls += record.num_tool_calls
+
+    def message(self, execution_id: str) -> ExecutionFacts:
+        lin = self.by_lineage
+        return ExecutionFacts(
+            execution_id=execution_id, num_calls=self.calls, main_calls=lin["main"],
+            summary_calls=lin["main-summary"] + lin["sub-agent-summary"], sub_agent_calls=lin["sub-agent"],
+            side_calls=lin["side"], hung_up_calls=self.hung_up, num_sub_agents=len(self.agents),
+            prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens, tool_calls=self.tool_calls,
+        )
+
+
+@dataclass
 class _Execution:
     tree: TokenTree | None
     """None once a grade says this is an eval run: its records are discarded."""
     call_ids: set[str] = field(default_factory=set)
     grade: Grade | None = None
     sealed: ExecutionSealed | None = None
+    facts: _Facts = field(default_factory=_Facts)
 
 
 @dataclass
@@ -160,6 +196,7 @@ class Processor:
         self._done_groups: set[str] = set()
         self._sent_before: set[str] = set()
         self._released_before: set[str] = set()
+        self._facts: list[ExecutionFacts] = []
 
     # ------------------------------------------------------------------ inputs
 
@@ -180,6 +217,7 @@ class Processor:
         if record.call_id in ex.call_ids:
             self.counters.num_duplicate_records += 1
             return []
+        ex.facts.add(record)
         if ex.tree is None:
             ex.call_ids.add(record.call_id)
             self.counters.num_eval_records += 1
@@ -207,6 +245,7 @@ class Processor:
             self.counters.num_duplicate_records += 1
             return []
         ex.sealed = sealed
+        self._note_facts(sealed.execution_id)
         if len(ex.call_ids) < sealed.num_calls:
             self.counters.num_incomplete_executions += 1
             log.warning(
@@ -236,6 +275,7 @@ class Processor:
             ex = self._execution(eid)
             ex.grade, ex.tree = grade, None
             self.counters.num_eval_executions += 1
+            self._note_facts(eid)
             if ex.sealed is not None:
                 self._forget_execution(eid)
             return []
@@ -253,6 +293,7 @@ class Processor:
         self._groups[grade.group_id] = group
         group.members[eid] = grade
         self._execution(eid).grade = grade
+        self._note_facts(eid)
         return self._maybe_release(eid) + self._maybe_complete(group)
 
     def expect_sent_before(self, group_ids: set[str], execution_ids: Iterable[str] = ()) -> None:
@@ -392,6 +433,20 @@ class Processor:
             ex = self._executions[execution_id] = _Execution(tree=TokenTree(execution_id))
         return ex
 
+    def _note_facts(self, execution_id: str) -> None:
+        """Queue the execution's ``ExecutionFacts``, once: when it is both graded and sealed."""
+        ex = self._executions[execution_id]
+        if ex.grade is None or ex.sealed is None or ex.facts.sent:
+            return
+        ex.facts.sent = True
+        self._facts.append(ex.facts.message(execution_id))
+
+    def take_facts(self) -> list[ExecutionFacts]:
+        """The facts of executions done since the last call. Informational (the report's tables),
+        so kept apart from the data messages, and not owed again after a restart."""
+        facts, self._facts = self._facts, []
+        return facts
+
     def _is_sealed(self, execution_id: str) -> bool:
         """Sealed, or (run release) already done with: forgotten only once graded and sealed."""
         return execution_id in self._done_executions or self._executions[execution_id].sealed is not None
@@ -446,6 +501,7 @@ class ProcessorService:
                 continue
             _collect_by_group(self.processor.on_message(msg), owed)
         messages = [m for outs in owed.values() for m in outs]
+        self.processor.take_facts()  # reported by the attempt that first saw them
         log.info(
             "replayed %d log entries: %d group(s) and %d execution(s) already sent, %d open "
             "group(s), %d open execution(s), %d group(s) or execution(s) owed", self.log.num_entries,
@@ -525,7 +581,7 @@ class ProcessorService:
         out: list[Message] = []
         for _, msg in accepted:
             out.extend(self.processor.on_message(msg))
-        return out
+        return out + self.processor.take_facts()
 
 
 def _collect_by_group(messages: list[Message], owed: dict[tuple[str, str], list[Message]]) -> None:

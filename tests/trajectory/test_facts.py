@@ -1,0 +1,53 @@
+"""Per-execution facts (calls by lineage, tokens, tool calls, sub-agents, compactions) counted from
+an execution's CallRecords, sent once it is graded and sealed, for train and eval runs alike."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from controller.wire import ExecutionFacts
+from tests.trajectory import Run, grade
+from tests.trajectory.test_processor import processor
+
+
+def branching_run(execution_id: str) -> Run:
+    run = Run(execution_id)
+    ctx = run.call([1, 2, 3], [10, 11])
+    ctx = run.call(ctx + [4], [12])
+    run.call([1, 2, 9], [20, 21, 22], lineage="sub-agent", agent_id="a1")
+    run.call([1, 2, 8], [30], lineage="sub-agent", agent_id="a2")
+    run.call(ctx + [5], [40, 41], lineage="main-summary")
+    run.call([7], [50], lineage="side")
+    run.records[0] = dataclasses.replace(run.records[0], num_tool_calls=2)
+    return run
+
+
+def test_facts_count_what_the_records_say_once_graded_and_sealed():
+    p = processor()
+    run = branching_run("g-e0")
+    for r in run.records:
+        p.on_message(r)
+    assert p.take_facts() == []
+    p.on_message(grade("g-e0", "g", 1.0, group_size=2))
+    assert p.take_facts() == []  # graded, not sealed: more calls may still come
+    p.on_message(run.sealed())
+    (facts,) = p.take_facts()
+    assert facts == ExecutionFacts(
+        execution_id="g-e0", num_calls=6, main_calls=2, summary_calls=1, sub_agent_calls=2, side_calls=1,
+        hung_up_calls=0, num_sub_agents=2, prompt_tokens=3 + 6 + 3 + 3 + 8 + 1, output_tokens=2 + 1 + 3 + 1 + 2 + 1,
+        tool_calls=2,
+    )
+    p.on_message(run.sealed())  # a duplicate seal sends nothing again
+    assert p.take_facts() == []
+
+
+def test_eval_runs_get_facts_too():
+    p = processor()
+    run = Run("eval-0-e0")
+    run.call([1, 2], [3])
+    p.on_message(grade("eval-0-e0", "eval-0", 0.5, group_size=1, train=False))
+    for r in run.records:
+        p.on_message(r)
+    p.on_message(run.sealed())
+    (facts,) = p.take_facts()
+    assert (facts.num_calls, facts.main_calls, facts.output_tokens) == (1, 1, 1)

@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from controller.execution_report import harness_table, read_executions
 from controller.cells import Cell  # noqa: E402
 
 PHASE_COLORS = {"serving": "#4c9be8", "draining": "#f0b04c", "training": "#d9534f", "to_serve": "#9bd17c", "starting": "#cccccc", "dead": "#333333"}
@@ -109,6 +110,14 @@ def write_markdown(run_dir: Path, summary: dict[str, Any]) -> None:
 | cell | served s | trained s | switches |
 | --- | --- | --- | --- |
 {rows}
+
+## Executions by harness
+
+{harness_table(read_executions(run_dir / "metrics.jsonl"))}
+
+Per execution: `execution` (outcome, wall time, reward) and `execution_facts` (calls by lineage,
+tokens, tool calls, sub-agents, compactions) events in `metrics.jsonl`; each run's folder under
+`work/` keeps its workspace, the harness's stdout and stderr, and `grade.json`.
 
 ![reward per step](reward.png)
 

@@ -23,9 +23,20 @@ QWEN_CODE_STAMP   := .tools/qwen-code/.installed-$(QWEN_CODE_VERSION)
 LITELLM_VERSION := 1.106.12
 LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 
-.PHONY: venv claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean
+# Debian packages the harness tests need: bubblewrap (sandbox=bwrap) and the system Python's pytest
+# (hidden tests run inside the sandbox, which shows the read-only system, not the project's venv).
+HARNESS_DEBS := bubblewrap python3-pytest
+
+.PHONY: venv system-packages claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean
 
 venv: $(STAMP)
+
+system-packages:
+	@missing=$$(for p in $(HARNESS_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages: run: sudo apt-get install -y $$missing"; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 claude-code: $(CLAUDE_CODE_STAMP)
 
@@ -72,7 +83,7 @@ $(LITELLM_STAMP):
 run: venv
 	$(BIN)/gyre $(ARGS)
 
-test: venv claude-code mini-swe-agent qwen-code
+test: venv system-packages claude-code mini-swe-agent qwen-code
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv litellm

@@ -1,0 +1,1 @@
+"""Graders: how a task set scores what a harness left (``tests``: hidden tests; ``wordmap``: similarity)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,31 @@ def test_partial_grading_of_a_killed_run(tmp_path: Path):
     (tmp_path / "TASK.md").write_text("file: out_12.txt\n\np\n", encoding="utf-8")
     result = grade(TASK, tmp_path)
     assert result.reward is not None and 0.5 < result.reward < 1.0
+
+
+def test_symlink_to_a_file_outside_is_not_followed(tmp_path: Path):
+    """An agent that links its answer file to the right text elsewhere scores 0, as with no file."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("return true", encoding="utf-8")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / TASK.file_name).symlink_to(outside)
+    assert grade(TASK, ws) == GradeResult(0.0)
+    assert outside.read_text(encoding="utf-8") == "return true"
+
+
+def test_symlink_inside_the_workspace_is_not_followed_either(tmp_path: Path):
+    _write(tmp_path, "").joinpath("real.txt").write_text("return true", encoding="utf-8")
+    (tmp_path / TASK.file_name).unlink()
+    (tmp_path / TASK.file_name).symlink_to(tmp_path / "real.txt")
+    assert grade(TASK, tmp_path) == GradeResult(0.0)
+
+
+def test_dangling_symlink_scores_zero(tmp_path: Path):
+    (tmp_path / TASK.file_name).symlink_to(tmp_path / "nowhere")
+    assert grade(TASK, tmp_path) == GradeResult(0.0)
+
+
+def test_fifo_in_place_of_the_file_does_not_block(tmp_path: Path):
+    os.mkfifo(tmp_path / TASK.file_name)
+    assert grade(TASK, tmp_path) == GradeResult(0.0)

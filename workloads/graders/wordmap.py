@@ -21,11 +21,18 @@ a directory in its place), or the grader raised. The controller excludes such an
 
 The grader reads only the workspace, so it grades a timed-out (killed) run the same way: the
 bundled harness replaces the file atomically, so the file is always some complete reply.
+
+Symlinks. The answer must be a regular file in the workspace. A symlink in its place is never
+followed (it is opened with ``O_NOFOLLOW`` relative to the workspace), whether it points inside
+or outside: the agent put it there, so it is an outcome and scores 0.0, like a missing file. Read
+through, it would let an agent score another file (a target kept elsewhere) or make the grader
+read anything on the node. A FIFO or device is opened non-blocking and never waited on.
 """
 
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import re
 from dataclasses import dataclass
@@ -67,17 +74,28 @@ def similarity(text: str, target: str) -> float:
     return (1.0 - EXACT_BONUS) * dense + EXACT_BONUS * float(got == want)
 
 
+def _read_no_follow(workspace: Path, name: str) -> bytes:
+    """Up to MAX_FILE_BYTES of ``workspace/name``; ELOOP when ``name`` is a symlink."""
+    dir_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_FILE_BYTES)
+
+
 def grade(task: Task, workspace: Path) -> GradeResult:
     try:
         if not workspace.is_dir():
             return GradeResult(None, f"{task.task_id}: workspace missing: {workspace}")
-        path = workspace / task.file_name
-        if not path.exists() and not path.is_symlink():
-            return GradeResult(0.0)
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_FILE_BYTES)
+            data = _read_no_follow(workspace, task.file_name)
+        except FileNotFoundError:
+            return GradeResult(0.0)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink where the answer belongs: the agent's doing
+                return GradeResult(0.0)
             return GradeResult(None, f"{task.task_id}: cannot read {task.file_name}: {exc}")
         text = data.decode("utf-8", errors="replace")
         return GradeResult(similarity(text, task.target))

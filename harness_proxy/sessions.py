@@ -1,27 +1,67 @@
-"""Exact token-in/token-out across the calls of one agent: splice the engine's own ids back in.
+"""Exact token-in/token-out across the calls of an execution, and whose line of calls each one is.
 
-Per (execution id, agent key) a session remembers its latest calls: the request's messages and
-tools, and the ids the engine saw and produced. When a new request's messages begin with one of
-those calls' messages followed by the assistant message the proxy returned for it, the new prompt
-is that call's exact ``prompt_ids + output_ids`` (plus ``<|im_end|>`` if the output did not end
-with it, e.g. cut by length), the turn separator, and only the new messages rendered. The policy's
-tokens are therefore never re-derived from text, so re-tokenisation cannot drift. Any other
-request (history rewritten, tools changed, compaction) is rendered from scratch; the trajectory
-processor sees that as a branch.
+**Splicing.** Per execution the store remembers its calls: the request's messages and tools, the
+assistant reply the proxy returned, and the ids the engine saw and produced. When a new request's
+messages begin with one of those calls' messages followed by its reply (and its tools are the
+same), the new prompt is that call's exact ``prompt_ids + output_ids`` (plus ``<|im_end|>`` if the
+output did not end with it, e.g. cut by length), the turn separator, and only the new messages
+rendered. The base is the *longest* such call among **all** the execution's remembered calls,
+whichever agent made it (newest on ties), so a sub-agent or side call in between never pushes the
+main line out. The policy's tokens are therefore never re-derived from text, so re-tokenisation
+cannot drift. Any other request (history rewritten, tools changed, a new task) is rendered from
+scratch; the trajectory processor sees that as a branch.
 
 Messages are compared on role, content and tool calls after normalising: key order ignored,
 missing / null / empty content alike, list-of-text-parts content as its text, tool-call arguments
 as parsed JSON (a harness may re-serialise them), tool-call ids ignored. Tools are compared as
-JSON values (key order ignored). This module keeps no trajectories; it only decides prompt ids.
+JSON values (key order ignored). This module keeps no trajectories; it decides prompt ids and
+lineage.
 
-Cost per spliced call (the hot path of a long conversation): one pass comparing the request's
-messages with the remembered ones (no JSON work unless a harness re-serialised a tool call), the
-template only for the new messages, and one copy of the remembered ids into the new prompt list;
-``remember`` then appends only the new ids. To make that work, the ids of an agent's line of calls
-live on one append-only list (a *tape*): a remembered call is ``(tape, length)``, and the next call
-that extends it from the tape's end appends in place; a call that branches off an earlier point
-copies the prefix onto a new tape. Token ids on tapes are shared ``int`` objects (one per vocabulary
-id), so a held id costs 8 bytes, and successive calls share their messages' normalised text.
+**Memory, not a count.** What an execution holds is bounded by ``memory_bytes`` (approximate:
+8 bytes per remembered id, the length of each remembered message's text, a fixed overhead per
+message): past it, the oldest calls are forgotten first (the newest always stays), and a tape or
+message no remembered call needs any more is freed. Nothing is forgotten by count.
+
+**Lineage.** Claude Code says who is calling (the ``x-claude-code-agent-id`` header, its summary
+instruction, the title call's shape; ``anthropic_api.lineage_of``): the server passes that as
+``lineage`` and the store only splices. Where no header says it (the OpenAI API: Qwen Code,
+mini-swe-agent, the bundled harness), the store derives it, first rule that applies:
+
+1. *first*: the execution's first call is ``main``.
+2. *extends*: a call that extends a remembered call inherits that call's line (its lineage and
+   agent id).
+3. *branch*: a call that shares with a known line at least that line's whole first request (its
+   system prompt and task) and then differs (history edited, tools changed, a retry) stays on that
+   line.
+4. *over*: a call that repeats a known line's conversation (at least its first request, after the
+   system prompt) under *another* system prompt is a task run over that history: a summary of that
+   line (``main-summary`` / ``sub-agent-summary``) when its last user message holds a summary
+   instruction (``SUMMARY_MARKERS``: Qwen Code's ``<state_snapshot>`` compression), else ``side``
+   (Qwen Code's memory extraction, loop detection).
+5. *rewrite*: a call whose user or system messages quote, verbatim, the text of a recent reply of
+   a known non-side line (a compaction summary put back as the new history) continues that line.
+6. *hand-off*: a call whose user message holds a string argument of a recent tool call (Qwen Code's
+   ``agent`` tool ``prompt``, Claude Code's ``Agent``) is a new ``sub-agent``.
+7. *same system prompt*: a call that shares only the system prompt (and maybe the tools) with a
+   non-side line but opens a new task is a new ``sub-agent``.
+8. *else*: a one-off call outside every line (another system prompt, nothing handed to it) is
+   ``side``; if it continues, rule 2 keeps it ``side``.
+
+Rules 1-3 are the hot path (the walk that finds the splice also finds the branch point); 4-8 run
+only for a call that extends nothing. Each new sub-agent line gets a derived agent id
+``sub-<n>`` (n counts the execution's derived sub-agents from 1), each side line the routing key
+``side-<n>`` (its records carry agent id ''). A call on a line whose last user message holds a
+summary marker is that line's ``-summary``.
+
+Cost per spliced call (the hot path of a long conversation): one walk comparing the request's
+messages with the remembered ones (a trie of messages shared by all calls; no JSON work unless a
+harness re-serialised a tool call), the template only for the new messages, and one copy of the
+remembered ids into the new prompt list; ``remember`` then appends only the new ids. To make that
+work, the ids of a line of calls live on one append-only list (a *tape*): a remembered call is
+``(tape, length)``, and the next call that extends it from the tape's end appends in place; a call
+that branches off an earlier point copies the prefix onto a new tape. Token ids on tapes are shared
+``int`` objects (one per vocabulary id), so a held id costs 8 bytes, and successive calls share
+their messages' normalised text.
 """
 
 from __future__ import annotations
@@ -29,8 +69,8 @@ from __future__ import annotations
 import functools
 import json
 import operator
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness_proxy.template import (
@@ -42,8 +82,23 @@ NormMessage = tuple[str, str, tuple[tuple[str, str], ...]]
 RawArgs = tuple[Any, ...]
 """A message's tool-call arguments as the request carried them (a fast equality check before JSON)."""
 
-PLANS_PER_AGENT = 4
-"""Prompt plans kept per agent until ``remember``; more in flight at once only lose the fast path."""
+SESSION_MEMORY_BYTES = 64 << 20
+"""Default bound on what one execution's remembered calls hold (ids and message text)."""
+PLANS_PER_EXECUTION = 64
+"""Prompt plans kept per execution until ``remember``; more in flight at once only lose the fast path."""
+NODE_OVERHEAD_BYTES = 200
+"""Counted per remembered message on top of its text (the node, its tuples and lists)."""
+RECENT_REPLIES = 32
+"""Replies per execution looked at by the hand-off and rewrite rules."""
+HANDOFF_MIN_CHARS = 24
+"""A tool-call string argument shorter than this is not taken as a task handed to a sub-agent."""
+QUOTE_MIN_CHARS = 64
+"""A reply shorter than this is not taken as quoted by a rewritten history."""
+SUMMARY_MARKERS = (
+    "Your task is to create a detailed summary",  # Claude Code's compaction instruction
+    "generate the <state_snapshot>",  # Qwen Code's chat compression instruction
+)
+"""Text in the last user message of a call that asks for a summary of its line's history."""
 
 
 def _canonical_arguments(args: Any) -> str:
@@ -103,24 +158,84 @@ def tools_key(tools: list[Any] | None) -> str:
     return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
 
 
+def is_summary_request(messages: list[dict[str, Any]]) -> bool:
+    """The last user message holds one of ``SUMMARY_MARKERS``."""
+    for m in reversed(messages):
+        if _role(m) == "user":
+            text = _content(m)
+            return any(marker in text for marker in SUMMARY_MARKERS)
+    return False
+
+
+def _strings(value: Any, out: list[str]) -> list[str]:
+    if isinstance(value, str):
+        if len(value) >= HANDOFF_MIN_CHARS:
+            out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _strings(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _strings(v, out)
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def _int_table(size: int) -> tuple[int, ...]:
     """One shared ``int`` object per token id, so a held id is a pointer, not a 32-byte object."""
     return tuple(range(size))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
+class _Line:
+    """A line of calls: the main agent, one sub-agent, one side task (or a header-given agent)."""
+
+    lineage: str
+    """main | sub-agent | side (a call on it may add ``-summary``)."""
+    agent: str
+    """The session and routing key."""
+    agent_id: str
+    """Recorded on the CallRecord ('' for main and side)."""
+    task_len: int
+    """Messages in the line's first request (its system prompt and task)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    """One remembered message at one position: a trie over the messages of all of an execution's calls."""
+
+    norm: NormMessage
+    raw: RawArgs
+    parent: _Node | None
+    depth: int
+    """Messages from the start through this one."""
+    line: _Line | None
+    """The line of the call that first remembered this message."""
+    cost: int
+    children: list[_Node] = field(default_factory=list)
+    calls: list[_Remembered] = field(default_factory=list)
+    """Remembered calls whose messages (request + reply) end here, oldest first."""
+
+    def child(self, m: dict[str, Any]) -> _Node | None:
+        for c in self.children:
+            if _same_message(m, c.norm, c.raw):
+                return c
+        return None
+
+
+@dataclass(eq=False, slots=True)
 class _Remembered:
-    messages: tuple[NormMessage, ...]
-    """The call's request messages followed by the assistant reply the proxy returned."""
-    raw_args: tuple[RawArgs, ...]
-    """Per message, its tool-call arguments as first received (same order as ``messages``)."""
+    node: _Node
+    """The node of the assistant reply the proxy returned (its path: the request's messages)."""
     tools: list[Any]
-    """The request's tools as JSON values ([] for none)."""
+    """The request's tools as JSON values ([] for none), one object per distinct value."""
     tape: list[int]
     length: int
     """``tape[:length]`` = prompt_ids + output_ids (+ <|im_end|>) + turn separator: where the next
     turn's ids begin. Tapes only grow, so this prefix never changes."""
+    line: _Line
+    forgotten: bool = False
+    """Set once dropped for memory: a plan built on it no longer appends to its tape or trie path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +247,27 @@ class _Plan:
     messages: list[dict[str, Any]]
     base: _Remembered | None
     """The remembered call the prompt extends (None: rendered from scratch)."""
+    line: _Line
+    tools: list[Any] | None
+    """The execution's object for the request's tools (None: not seen before)."""
+
+
+@dataclass(eq=False)
+class _Execution:
+    root: _Node
+    calls: deque[_Remembered] = field(default_factory=deque)
+    """Remembered calls, oldest first (the order they are forgotten in)."""
+    tools: list[list[Any]] = field(default_factory=list)
+    """Distinct tools values seen, so calls compare theirs by identity."""
+    tape_refs: dict[int, int] = field(default_factory=dict)
+    """id(tape) -> remembered calls on it."""
+    bytes: int = 0
+    replies: deque[tuple[NormMessage, _Line]] = field(default_factory=lambda: deque(maxlen=RECENT_REPLIES))
+    plans: OrderedDict[int, _Plan] = field(default_factory=OrderedDict)
+    lines: dict[str, _Line] = field(default_factory=dict)
+    """Lines by agent key."""
+    num_sub_agents: int = 0
+    num_side: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,23 +277,27 @@ class PromptPlan:
     """True when built on an earlier call's exact ids; False when rendered from scratch."""
     num_new_messages: int
     """Messages rendered for this prompt (all of them when not spliced)."""
+    lineage: str = "main"
+    """main | main-summary | sub-agent | sub-agent-summary | side: given, or derived (module docstring)."""
+    agent: str = ""
+    """The session and routing key of the call's line."""
+    agent_id: str = ""
+    """For the CallRecord: the harness's or the derived sub-agent id ('' for main and side)."""
 
 
 class SessionStore:
-    """Remembered calls per (execution id, agent key); each agent keeps its newest ``calls_per_agent``.
+    """Remembered calls per execution, bounded by ``memory_bytes`` each; see the module docstring.
 
-    More than one is kept so that a side call sharing the prefix (a compaction summary, a
-    retried turn) does not break the main line's splice. ``remember`` expects the ``prompt_ids``
-    list that ``build_prompt`` returned, unmodified (any other list works too, by a slower path).
+    ``remember`` expects the ``prompt_ids`` list that ``build_prompt`` returned, unmodified (any
+    other list works too, by a slower path).
     """
 
-    def __init__(self, tok: QwenTokenizer, *, calls_per_agent: int = 2):
-        if calls_per_agent < 1:
-            raise ValueError("calls_per_agent: want >= 1")
+    def __init__(self, tok: QwenTokenizer, *, memory_bytes: int = SESSION_MEMORY_BYTES):
+        if memory_bytes < 1:
+            raise ValueError("memory_bytes: want >= 1")
         self.tok = tok
-        self.calls_per_agent = calls_per_agent
-        self._sessions: dict[str, dict[str, deque[_Remembered]]] = {}
-        self._plans: dict[str, dict[str, deque[_Plan]]] = {}
+        self.memory_bytes = memory_bytes
+        self._executions: dict[str, _Execution] = {}
         self._ints = _int_table(tok.vocab_size)
         self._generation_prompt = self._shared(generation_prompt(tok))
         self._separator = self._shared(turn_separator(tok))
@@ -169,35 +309,136 @@ class SessionStore:
             return list(operator.itemgetter(*ids)(table))
         return [table[t] if 0 <= t < len(table) else t for t in ids]
 
+    def _execution(self, execution_id: str) -> _Execution:
+        exe = self._executions.get(execution_id)
+        if exe is None:
+            root = _Node(("", "", ()), (), None, 0, None, 0)
+            exe = self._executions[execution_id] = _Execution(root)
+        return exe
+
+    # ------------------------------------------------------------ planning a call
+
     def build_prompt(
-        self, execution_id: str, agent: str, messages: list[dict[str, Any]], tools: list[Any] | None
+        self, execution_id: str, agent: str, messages: list[dict[str, Any]], tools: list[Any] | None,
+        *, lineage: str | None = None, agent_id: str = "",
     ) -> PromptPlan:
-        best = self._best_match(execution_id, agent, messages, tools or [])
+        """The call's prompt ids and line. ``lineage`` (with ``agent``, ``agent_id``): what a header
+        said; None derives it (then ``agent`` is not used)."""
+        exe = self._execution(execution_id)
+        want_tools = next((t for t in exe.tools if t == (tools or [])), None)
+        best, reached = self._walk(exe, messages, want_tools)
+        if lineage is None:
+            line, lineage = self._derive(exe, messages, best, reached)
+        else:
+            line = self._given_line(exe, lineage, agent, agent_id, len(messages))
         if best is None:
             ids = self._shared(render_messages(self.tok, messages, tools=tools))
-            plan = PromptPlan(ids, False, len(messages))
+            plan = PromptPlan(ids, False, len(messages), lineage, line.agent, line.agent_id)
         else:
-            new = messages[len(best.messages) :]
+            new = messages[best.node.depth :]
             ids = best.tape[: best.length]
             ids += self._shared(render_appended(self.tok, new))
             ids += self._generation_prompt
-            plan = PromptPlan(ids, True, len(new))
-        agents = self._plans.setdefault(execution_id, {})
-        agents.setdefault(agent, deque(maxlen=PLANS_PER_AGENT)).append(_Plan(ids, len(ids), messages, best))
+            plan = PromptPlan(ids, True, len(new), lineage, line.agent, line.agent_id)
+        exe.plans[id(ids)] = _Plan(ids, len(ids), messages, best, line, want_tools)
+        while len(exe.plans) > PLANS_PER_EXECUTION:
+            exe.plans.popitem(last=False)
         return plan
 
-    def _best_match(
-        self, execution_id: str, agent: str, messages: list[dict[str, Any]], tools: list[Any]
-    ) -> _Remembered | None:
-        """The longest remembered call whose messages (and tools) the request begins with; newest on ties."""
+    def _walk(
+        self, exe: _Execution, messages: list[dict[str, Any]], tools: list[Any] | None
+    ) -> tuple[_Remembered | None, _Node]:
+        """The longest remembered call whose messages (and tools) the request begins with, newest on
+        ties; and the deepest node the request's messages reach (where it leaves what is known)."""
         best: _Remembered | None = None
-        for cand in reversed(self._sessions.get(execution_id, {}).get(agent, ())):
-            n = len(cand.messages)
-            if len(messages) < n or (best is not None and n <= len(best.messages)) or cand.tools != tools:
-                continue
-            if all(map(_same_message, messages[:n], cand.messages, cand.raw_args)):
-                best = cand
-        return best
+        node = exe.root
+        for m in messages:
+            nxt = node.child(m)
+            if nxt is None:
+                break
+            node = nxt
+            if tools is not None:
+                for cand in reversed(node.calls):
+                    if cand.tools is tools:
+                        best = cand
+                        break
+        return best, node
+
+    def _given_line(self, exe: _Execution, lineage: str, agent: str, agent_id: str, task_len: int) -> _Line:
+        line = exe.lines.get(agent)
+        base = lineage.removesuffix("-summary")
+        if line is None or line.lineage != base:
+            line = exe.lines[agent] = _Line(base, agent, agent_id, task_len)
+        return line
+
+    def _new_line(self, exe: _Execution, lineage: str, task_len: int) -> _Line:
+        if lineage == "sub-agent":
+            exe.num_sub_agents += 1
+            agent = agent_id = f"sub-{exe.num_sub_agents}"
+        elif lineage == "side":
+            exe.num_side += 1
+            agent, agent_id = f"side-{exe.num_side}", ""
+        else:
+            agent = agent_id = ""
+        line = exe.lines[agent] = _Line(lineage, agent, agent_id, task_len)
+        return line
+
+    def _derive(
+        self, exe: _Execution, messages: list[dict[str, Any]], best: _Remembered | None, reached: _Node
+    ) -> tuple[_Line, str]:
+        """The call's line and lineage by the rules of the module docstring."""
+        line = self._line_of(exe, messages, best, reached)
+        summary = line.lineage != "side" and is_summary_request(messages)
+        return line, f"{line.lineage}-summary" if summary else line.lineage
+
+    def _line_of(
+        self, exe: _Execution, messages: list[dict[str, Any]], best: _Remembered | None, reached: _Node
+    ) -> _Line:
+        if best is not None:  # 2. extends
+            return best.line
+        if not exe.lines:  # 1. first
+            return self._new_line(exe, "main", len(messages))
+        if reached.line is not None and reached.depth >= reached.line.task_len:  # 3. branch
+            return reached.line
+        system = messages[0] if messages and _role(messages[0]) == "system" else None
+        own = reached if reached.depth >= 1 else None  # the node of its system prompt, if known
+        own_root = own
+        while own_root is not None and own_root.depth > 1:
+            own_root = own_root.parent
+        if system is not None:  # 4. over another line's history
+            for top in exe.root.children:
+                if top is own_root or top.norm[0] != "system":
+                    continue
+                node = top
+                for m in messages[1:]:
+                    nxt = node.child(m)
+                    if nxt is None:
+                        break
+                    node = nxt
+                if node.depth >= 2 and node.line is not None and node.depth >= node.line.task_len:
+                    if node.line.lineage != "side" and is_summary_request(messages):
+                        return node.line
+                    return self._new_line(exe, "side", len(messages))
+        texts = [_content(m) for m in messages[1:] if _role(m) in ("user", "system")]
+        for norm, line in reversed(exe.replies):  # 5. rewrite
+            reply = norm[1]
+            if line.lineage != "side" and len(reply) >= QUOTE_MIN_CHARS and any(reply in t for t in texts):
+                return line
+        user_texts = [_content(m) for m in messages if _role(m) == "user"]
+        for norm, _line in reversed(exe.replies):  # 6. hand-off
+            for _name, args in norm[2]:
+                try:
+                    handed = _strings(json.loads(args), [])
+                except ValueError:
+                    handed = [args] if len(args) >= HANDOFF_MIN_CHARS else []
+                if any(s in t for s in handed for t in user_texts):
+                    return self._new_line(exe, "sub-agent", len(messages))
+        if own_root is not None and own_root.norm[0] == "system" and own_root.line is not None \
+                and own_root.line.lineage != "side":  # 7. same system prompt, a new task
+            return self._new_line(exe, "sub-agent", len(messages))
+        return self._new_line(exe, "side", len(messages))  # 8. else
+
+    # ------------------------------------------------------------ remembering a call
 
     def remember(
         self,
@@ -210,45 +451,90 @@ class SessionStore:
         prompt_ids: list[int],
         output_ids: list[int],
     ) -> None:
-        """Record a successful call; ``reply`` is the assistant message returned to the harness."""
-        plan = self._take_plan(execution_id, agent, prompt_ids, messages)
-        base = plan.base if plan is not None else None
-        known = len(base.messages) if base is not None else 0
-        new = messages[known:]
-        norms = (*(base.messages if base else ()), *map(normalize_message, new), normalize_message(reply))
-        raws = (*(base.raw_args if base else ()), *map(_raw_arguments, new), _raw_arguments(reply))
+        """Record a successful call; ``reply`` is the assistant message returned to the harness.
+        ``agent`` is unused (the plan carries the line); kept for callers' symmetry."""
+        exe = self._execution(execution_id)
+        plan = self._take_plan(exe, prompt_ids, messages)
+        if plan is None:  # a prompt not planned here: decide its line now, keep its ids on a tape of its own
+            tools_obj = next((t for t in exe.tools if t == (tools or [])), None)
+            best, reached = self._walk(exe, messages, tools_obj)
+            line, _ = self._derive(exe, messages, best, reached)
+            base = None
+        else:
+            base, line, tools_obj = plan.base, plan.line, plan.tools
+            if base is not None and base.forgotten:
+                base = None
+        node = base.node if base is not None else exe.root
+        for m in messages[node.depth :]:
+            node = self._child(exe, node, m, line)
+        node = self._child(exe, node, reply, line)
         tail = self._shared(output_ids)
         if not output_ids or output_ids[-1] != self.tok.im_end:
             tail.append(self._ints[self.tok.im_end])
         tail += self._separator
         if base is not None and len(base.tape) == base.length:  # the line's newest end: append in place
             tape = base.tape
+            grown = len(prompt_ids) - base.length + len(tail)
             tape += prompt_ids[base.length :]
         else:  # a first call, a branch, or a prompt not planned here: a tape of its own
             tape = prompt_ids.copy() if plan is not None else self._shared(prompt_ids)
+            grown = len(tape) + len(tail)
         tape += tail
-        entry = _Remembered(
-            messages=norms, raw_args=raws, tools=base.tools if base is not None else list(tools or []),
-            tape=tape, length=len(tape),
-        )
-        agents = self._sessions.setdefault(execution_id, {})
-        agents.setdefault(agent, deque(maxlen=self.calls_per_agent)).append(entry)
+        exe.bytes += 8 * grown
+        exe.tape_refs[id(tape)] = exe.tape_refs.get(id(tape), 0) + 1
+        if tools_obj is None:  # unseen when planned; another call may have brought the same tools since
+            tools_obj = next((t for t in exe.tools if t == (tools or [])), None)
+        if tools_obj is None:
+            tools_obj = list(tools or [])
+            exe.tools.append(tools_obj)
+        entry = _Remembered(node=node, tools=tools_obj, tape=tape, length=len(tape), line=line)
+        node.calls.append(entry)
+        exe.calls.append(entry)
+        exe.replies.append((node.norm, line))
+        while exe.bytes > self.memory_bytes and len(exe.calls) > 1:
+            self._forget(exe, exe.calls.popleft())
 
-    def _take_plan(
-        self, execution_id: str, agent: str, prompt_ids: list[int], messages: list[dict[str, Any]]
-    ) -> _Plan | None:
-        plans = self._plans.get(execution_id, {}).get(agent)
-        for plan in plans or ():
-            if plan.prompt_ids is prompt_ids:
-                plans.remove(plan)  # type: ignore[union-attr]
-                # Trust the plan only if nothing changed the prompt or the messages since.
-                ok = plan.messages is messages and len(prompt_ids) == plan.num_prompt
-                return plan if ok else None
-        return None
+    def _child(self, exe: _Execution, node: _Node, m: dict[str, Any], line: _Line) -> _Node:
+        found = node.child(m)
+        if found is not None:
+            return found
+        norm = normalize_message(m)
+        cost = NODE_OVERHEAD_BYTES + len(norm[1]) + sum(len(a) for _, a in norm[2])
+        new = _Node(norm, _raw_arguments(m), node, node.depth + 1, line, cost)
+        node.children.append(new)
+        exe.bytes += cost
+        return new
+
+    def _forget(self, exe: _Execution, call: _Remembered) -> None:
+        """Drop one remembered call, and what only it held."""
+        call.forgotten = True
+        call.node.calls.remove(call)
+        refs = exe.tape_refs[id(call.tape)] - 1
+        if refs:
+            exe.tape_refs[id(call.tape)] = refs
+        else:
+            del exe.tape_refs[id(call.tape)]
+            exe.bytes -= 8 * len(call.tape)
+        node = call.node
+        while node.parent is not None and not node.calls and not node.children:
+            node.parent.children.remove(node)
+            exe.bytes -= node.cost
+            node = node.parent
+
+    def _take_plan(self, exe: _Execution, prompt_ids: list[int], messages: list[dict[str, Any]]) -> _Plan | None:
+        plan = exe.plans.pop(id(prompt_ids), None)
+        if plan is None or plan.prompt_ids is not prompt_ids:
+            return None
+        # Trust the plan only if nothing changed the prompt or the messages since.
+        return plan if plan.messages is messages and len(prompt_ids) == plan.num_prompt else None
 
     def drop_execution(self, execution_id: str) -> None:
-        self._sessions.pop(execution_id, None)
-        self._plans.pop(execution_id, None)
+        self._executions.pop(execution_id, None)
 
     def num_executions(self) -> int:
-        return len(self._sessions)
+        return sum(1 for exe in self._executions.values() if exe.calls)
+
+    def held_bytes(self, execution_id: str) -> int:
+        """What the execution's remembered calls hold, as counted against ``memory_bytes``."""
+        exe = self._executions.get(execution_id)
+        return exe.bytes if exe is not None else 0

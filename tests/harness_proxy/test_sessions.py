@@ -80,9 +80,9 @@ def test_tool_call_reply_echoed_with_reordered_arguments_is_spliced():
          "function": {"name": "bash", "arguments": json.dumps({"a": "q", "z": 1}, indent=2)}}]}
     nxt = [USER, echoed, {"role": "tool", "content": "ok"}]
     assert store.build_prompt("ex", "", nxt, tools).spliced
-    # other tools, another agent or another execution: rendered from scratch
+    # other tools or another execution: rendered from scratch; another agent key splices too
     assert not store.build_prompt("ex", "", nxt, tools + tools).spliced
-    assert not store.build_prompt("ex", "sub-1", nxt, tools).spliced
+    assert store.build_prompt("ex", "sub-1", nxt, tools).spliced
     assert not store.build_prompt("ex-2", "", nxt, tools).spliced
 
 
@@ -99,7 +99,7 @@ def test_rewritten_history_renders_from_scratch():
 
 
 def test_a_side_call_on_the_same_prefix_does_not_break_the_main_line():
-    store = SessionStore(TOK, calls_per_agent=2)
+    store = SessionStore(TOK)
     out1 = TOK.encode("main one") + [TOK.im_end]
     p1, r1 = remember(store, [USER], out1)
     main2 = [USER, r1, {"role": "user", "content": "continue"}]
@@ -116,16 +116,16 @@ def test_a_side_call_on_the_same_prefix_does_not_break_the_main_line():
 
 class _ReferenceStore:
     """The plain algorithm the store implements (every message normalised on every call, tools
-    as sorted JSON, each call's ids copied whole): the fast store must decide exactly as this."""
+    as sorted JSON, each call's ids copied whole, every call of the execution a candidate,
+    whichever agent made it): the fast store must decide exactly as this."""
 
-    def __init__(self, calls_per_agent: int = 2):
-        self.calls: dict[tuple[str, str], list[tuple[tuple, str, list[int]]]] = {}
-        self.calls_per_agent = calls_per_agent
+    def __init__(self):
+        self.calls: dict[str, list[tuple[tuple, str, list[int]]]] = {}
 
     def build_prompt(self, execution_id, agent, messages, tools):
         norm = [normalize_message(m) for m in messages]
         best = None
-        for cand in reversed(self.calls.get((execution_id, agent), [])):
+        for cand in reversed(self.calls.get(execution_id, [])):
             n = len(cand[0])
             if cand[1] != tools_key(tools) or len(norm) < n or (best is not None and n <= len(best[0])):
                 continue
@@ -140,9 +140,7 @@ class _ReferenceStore:
         context = prompt_ids + output_ids + ([] if output_ids and output_ids[-1] == TOK.im_end else [TOK.im_end])
         entry = ((*map(normalize_message, messages), normalize_message(reply)), tools_key(tools),
                  context + turn_separator(TOK))
-        line = self.calls.setdefault((execution_id, agent), [])
-        line.append(entry)
-        del line[: -self.calls_per_agent]
+        self.calls.setdefault(execution_id, []).append(entry)
 
 
 TOOL = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
@@ -203,15 +201,15 @@ def test_consecutive_calls_share_one_tape_and_a_branch_copies():
         plan = store.build_prompt("ex", "", msgs, None)
         _, reply = remember(store, msgs, TOK.encode(f"step {k}") + [TOK.im_end], prompt_ids=plan.prompt_ids)
         msgs = msgs + [reply, {"role": "user", "content": f"go {k}"}]
-    line = store._sessions["ex"][""]  # noqa: SLF001 (the sharing is the point of this test)
+    line = store._executions["ex"].calls  # noqa: SLF001 (the sharing is the point of this test)
     assert line[0].tape is line[1].tape and line[0].length < line[1].length
     older = line[0]
     # A side call off the older call: its own tape, and the main line's ids are untouched.
-    side = [*msgs[: len(older.messages)], {"role": "user", "content": "summarise"}]
+    side = [*msgs[: older.node.depth], {"role": "user", "content": "summarise"}]
     plan = store.build_prompt("ex", "", side, None)
     assert plan.spliced and plan.prompt_ids[: older.length] == older.tape[: older.length]
     remember(store, side, TOK.encode("summary") + [TOK.im_end], prompt_ids=plan.prompt_ids)
-    assert store._sessions["ex"][""][-1].tape is not older.tape  # noqa: SLF001
+    assert store._executions["ex"].calls[-1].tape is not older.tape  # noqa: SLF001
 
 
 def test_a_prompt_not_planned_by_the_store_is_remembered_by_the_slow_path():
@@ -221,3 +219,121 @@ def test_a_prompt_not_planned_by_the_store_is_remembered_by_the_slow_path():
     _, reply = remember(store, [USER], out, prompt_ids=list(prompt))
     plan = store.build_prompt("ex", "", [USER, reply, {"role": "user", "content": "x"}], None)
     assert plan.spliced and plan.prompt_ids[: len(prompt) + len(out)] == prompt + out
+
+
+# ---------------------------------------------------------------- every call a splice base; lineage where no header says it
+
+SYSTEM = {"role": "system", "content": "You are the main agent."}
+TASK = {"role": "user", "content": "Fix the bug in parser.py, then run the tests."}
+
+
+def _call(store, messages, text="", *, tool_args=None, tools=None, execution_id="ex"):
+    """Plan, then remember a reply (text, or one ``agent`` tool call with ``tool_args``); the plan and reply."""
+    plan = store.build_prompt(execution_id, "", messages, tools)
+    out = TOK.encode(text or "ok")
+    if tool_args is not None:
+        out = [TOK.specials["<tool_call>"], *TOK.encode("\n" + json.dumps({"name": "agent", "arguments": tool_args})
+                                                        + "\n"), TOK.specials["</tool_call>"]]
+    _, reply = remember(store, messages, out + [TOK.im_end], prompt_ids=plan.prompt_ids, tools=tools,
+                        execution_id=execution_id)
+    return plan, reply
+
+
+def test_a_long_sub_agent_run_does_not_push_the_main_line_out():
+    """With no agent header every call looks alike; the main line still splices after ten sub-agent calls."""
+    store = SessionStore(TOK)
+    main1, r1 = _call(store, [SYSTEM, TASK], tool_args={"prompt": "Find where parser.py handles escapes, report back."})
+    sub = [{"role": "system", "content": "You are a sub-agent."},
+           {"role": "user", "content": "Find where parser.py handles escapes, report back."}]
+    for k in range(10):
+        plan, reply = _call(store, sub, f"looked at {k}")
+        assert plan.lineage == "sub-agent" and plan.agent_id == "sub-1" and plan.spliced == (k > 0)
+        sub = sub + [reply, {"role": "user", "content": f"more {k}"}]
+    main2 = [SYSTEM, TASK, r1, {"role": "tool", "content": "escapes are in lex()"}]
+    plan = store.build_prompt("ex", "", main2, None)
+    assert plan.spliced and plan.num_new_messages == 1 and (plan.lineage, plan.agent_id) == ("main", "")
+    assert plan.prompt_ids[: len(main1.prompt_ids)] == main1.prompt_ids
+
+
+def test_lineage_rules_without_a_header():
+    store = SessionStore(TOK)
+    tools = [{"type": "function", "function": {"name": "agent"}}]
+    first, r1 = _call(store, [SYSTEM, TASK], "<think>\nread first\n</think>\n\nLooking at it.", tools=tools)
+    assert (first.lineage, first.agent, first.agent_id) == ("main", "", "")  # 1. first
+    m2 = [SYSTEM, TASK, r1, {"role": "user", "content": "go on"}]
+    ext, r2 = _call(store, m2, tool_args={"prompt": "Write a regression test for the escape bug."}, tools=tools)
+    assert (ext.lineage, ext.spliced) == ("main", True)  # 2. extends
+    edited = [SYSTEM, TASK, r1, {"role": "user", "content": "go on, but faster"}]
+    assert store.build_prompt("ex", "", edited, tools).lineage == "main"  # 3. branch (history edited)
+    assert store.build_prompt("ex", "", m2, tools + tools).lineage == "main"  # 3. branch (tools changed)
+
+    # 6. hand-off: another system prompt and tools, the task a tool call of the main line carried.
+    sub = [{"role": "system", "content": "You are a general-purpose agent."},
+           {"role": "user", "content": "Write a regression test for the escape bug."}]
+    s1, sr1 = _call(store, sub, "Wrote test_escape.py.")
+    assert (s1.lineage, s1.agent, s1.agent_id) == ("sub-agent", "sub-1", "sub-1")
+    s2, _ = _call(store, sub + [sr1, {"role": "user", "content": "thanks"}])
+    assert (s2.lineage, s2.agent_id, s2.spliced) == ("sub-agent", "sub-1", True)  # 2. its line
+    # 7. the main system prompt, a new task nobody handed out: another sub-agent.
+    fresh, _ = _call(store, [SYSTEM, {"role": "user", "content": "Review the diff."}])
+    assert (fresh.lineage, fresh.agent_id) == ("sub-agent", "sub-2")
+
+    # 4. the main conversation under another system prompt: side, or a summary with the marker.
+    memory = [{"role": "system", "content": "You extract memories."}, TASK, r1,
+              {"role": "user", "content": "Update the memory files."}]
+    mem, _ = _call(store, memory)
+    assert (mem.lineage, mem.agent, mem.agent_id) == ("side", "side-1", "")
+    compress = [{"role": "system", "content": "You compress chats."}, TASK, r1,
+                {"role": "user", "content": "First, reason in your scratchpad. Then, generate the <state_snapshot>."}]
+    summary_text = "<state_snapshot>the user wants parser.py fixed; escapes live in lex(); tests next</state_snapshot>"
+    comp, cr = _call(store, compress, summary_text)
+    assert (comp.lineage, comp.agent) == ("main-summary", "")
+    # 5. rewrite: the history restarted from that summary continues the main line.
+    root = [SYSTEM, {"role": "user", "content": cr["content"]},
+            {"role": "assistant", "content": "Got it. Thanks for the additional context!"}]
+    assert store.build_prompt("ex", "", root, tools).lineage == "main"
+    # The marker appended on the main line itself: main-summary.
+    on_line = [SYSTEM, TASK, r1, {"role": "user", "content": "Now generate the <state_snapshot>."}]
+    assert store.build_prompt("ex", "", on_line, tools).lineage == "main-summary"
+    # 8. a one-off outside every line.
+    title, _ = _call(store, [{"role": "system", "content": "Write a 3-word title."}, {"role": "user", "content": "x"}])
+    assert (title.lineage, title.agent, title.agent_id) == ("side", "side-2", "")
+
+
+def test_a_header_given_lineage_is_kept_and_splices_across_agents():
+    store = SessionStore(TOK)
+    p1 = store.build_prompt("ex", "a01", [USER], None, lineage="sub-agent", agent_id="a01")
+    assert (p1.lineage, p1.agent, p1.agent_id) == ("sub-agent", "a01", "a01")
+    _, reply = remember(store, [USER], TOK.encode("yes") + [TOK.im_end], prompt_ids=p1.prompt_ids)
+    p2 = store.build_prompt("ex", "", [USER, reply, {"role": "user", "content": "x"}], None, lineage="main")
+    assert p2.spliced and (p2.lineage, p2.agent, p2.agent_id) == ("main", "", "")
+
+
+def test_memory_is_bounded_by_bytes_and_the_newest_calls_stay():
+    budget = 40_000
+    store = SessionStore(TOK, memory_bytes=budget)
+    lines = []
+    for k in range(30):  # thirty unrelated one-off conversations of ~2 kB of text each
+        msgs = [{"role": "system", "content": f"side task {k} " + "x" * 2000}, {"role": "user", "content": "go"}]
+        _, reply = _call(store, msgs, f"answer {k}")
+        lines.append(msgs + [reply, {"role": "user", "content": "next"}])
+        assert store.held_bytes("ex") <= budget
+    assert store.build_prompt("ex", "", lines[-1], None).spliced  # the newest is remembered
+    assert not store.build_prompt("ex", "", lines[0], None).spliced  # the oldest was forgotten
+    exe = store._executions["ex"]  # noqa: SLF001
+    assert len(exe.root.children) == len(exe.calls) < 30  # forgotten conversations left no message behind
+    held = sum(8 * len(c.tape) for c in exe.calls) + sum(n.cost for n in _nodes(exe.root))
+    assert held == store.held_bytes("ex")  # the count is exact for what is held
+    # A single call over the budget is still remembered (the newest always stays).
+    huge = [{"role": "user", "content": "y" * (2 * budget)}]
+    _, reply = _call(store, huge, "big")
+    assert store.build_prompt("ex", "", huge + [reply, {"role": "user", "content": "z"}], None).spliced
+    assert len(store._executions["ex"].calls) == 1  # noqa: SLF001
+    store.drop_execution("ex")
+    assert store.held_bytes("ex") == 0
+
+
+def _nodes(node):
+    for c in node.children:
+        yield c
+        yield from _nodes(c)

@@ -256,7 +256,12 @@ def _problem_statement(instance_id: str, family: Family, failing: list[_Test], c
 def _symptom(rng: random.Random, expr: str, want: tuple[str, Any], got: tuple[str, Any]) -> str:
     def show(outcome: tuple[str, Any]) -> str:
         kind, value = outcome
-        text = f"{type(value).__name__}: {value}" if kind == "raises" else repr(value)
+        if kind == "raises":
+            text = f"{type(value).__name__}: {value}"
+        elif type(value).__repr__ is object.__repr__:  # its repr holds an address: not the same twice
+            text = f"a {type(value).__name__} object"
+        else:
+            text = repr(value)
         return text if len(text) <= 100 else text[:97] + "..."
 
     if want[0] == "value" and got[0] == "value":
@@ -1362,13 +1367,14 @@ FAMILIES: tuple[Family, ...] = (
         Bug("wrong default", "def low_stock(stock, threshold=5):", "def low_stock(stock, threshold=3):"),
         Bug("missing case", "prices.get(name, 0)", "prices[name]"),
     )),
-    Family("stackqueue", "a stack, a queue and a ring buffer", _STACKQUEUE, {
+    Family("stackqueue", "stack, queue and ring buffer classes", _STACKQUEUE, {
         "Stack.pop": ("Stack([1, 2, 3]).pop()", 'Stack().push("a").push("b").pop()', "Stack().pop()"),
         "Stack.peek": ("Stack([4, 5]).peek()", "Stack().peek()", "len(Stack([1, 2]).push(3))"),
         "Queue.dequeue": ("Queue([1, 2, 3]).dequeue()", 'Queue().enqueue("x").enqueue("y").dequeue()',
                           "Queue().dequeue()", "len(Queue([1]))"),
+        "RingBuffer": ("RingBuffer(0)", "RingBuffer(2).capacity"),
         "RingBuffer.append": ("RingBuffer(2).append(1).append(2).append(3).items()", "RingBuffer(3).append(1).items()",
-                              'RingBuffer(1).append("a").append("b").items()', "RingBuffer(0)"),
+                              'RingBuffer(1).append("a").append("b").items()'),
     }, (
         Bug("wrong end", "        return self._items.pop()\n", "        return self._items.pop(0)\n"),
         Bug("wrong index", "return self._items[-1] if self._items else None", "return self._items[0] if self._items else None"),
@@ -1527,7 +1533,7 @@ FAMILIES: tuple[Family, ...] = (
         Bug("wrong default", 'def bullet_list(items, marker="-"):', 'def bullet_list(items, marker="*"):'),
         Bug("wrong alignment", "str(cell).ljust(width)", "str(cell).rjust(width)"),
     )),
-    Family("csvlite", "a tiny CSV reader and writer", _CSVLITE, {
+    Family("csvlite", "tiny CSV reader and writer", _CSVLITE, {
         "parse_line": ('parse_line("a,b,c")', "parse_line('\"x, y\",z')", "parse_line('\"say \"\"hi\"\"\",2')",
                        'parse_line("")', 'parse_line("a,,b")', 'parse_line("a,")'),
         "format_field": ('format_field("plain")', 'format_field("a,b")', "format_field('say \"hi\"')",
@@ -1640,7 +1646,7 @@ FAMILIES: tuple[Family, ...] = (
         Bug("off-by-one", "for i in range(0, len(items), size)]", "for i in range(0, len(items) - 1, size)]"),
         Bug("off-by-one", "for i in range(len(items) - 1)]", "for i in range(1, len(items) - 1)]"),
     )),
-    Family("settings", "a settings file reader", _SETTINGS, {
+    Family("settings", "settings file reader", _SETTINGS, {
         "parse_bool": ('parse_bool("Yes")', 'parse_bool("off")', 'parse_bool(" 1 ")', 'parse_bool("maybe")',
                        'parse_bool("FALSE")', 'parse_bool("On")'),
         "parse_settings": ('parse_settings("a = 1\\n[db]\\nhost = x # primary\\nport=5432")',

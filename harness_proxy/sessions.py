@@ -88,6 +88,8 @@ PLANS_PER_EXECUTION = 64
 """Prompt plans kept per execution until ``remember``; more in flight at once only lose the fast path."""
 NODE_OVERHEAD_BYTES = 200
 """Counted per remembered message on top of its text (the node, its tuples and lists)."""
+TIPS_CHECKED = 8
+"""Line ends (newest first) a request is compared with before the trie walk."""
 RECENT_REPLIES = 32
 """Replies per execution looked at by the hand-off and rewrite rules."""
 HANDOFF_MIN_CHARS = 24
@@ -233,6 +235,10 @@ class _Remembered:
     length: int
     """``tape[:length]`` = prompt_ids + output_ids (+ <|im_end|>) + turn separator: where the next
     turn's ids begin. Tapes only grow, so this prefix never changes."""
+    norms: list[NormMessage]
+    raws: list[RawArgs]
+    """The messages of the path to ``node`` (``[:node.depth]``), shared along a tape like its ids:
+    the hot path compares a request with them in one C-level pass."""
     line: _Line
     forgotten: bool = False
     """Set once dropped for memory: a plan built on it no longer appends to its tape or trie path."""
@@ -261,6 +267,8 @@ class _Execution:
     """Distinct tools values seen, so calls compare theirs by identity."""
     tape_refs: dict[int, int] = field(default_factory=dict)
     """id(tape) -> remembered calls on it."""
+    tips: OrderedDict[int, _Remembered] = field(default_factory=OrderedDict)
+    """id(tape) -> the newest call on it, least recently extended first."""
     bytes: int = 0
     replies: deque[tuple[NormMessage, _Line]] = field(default_factory=lambda: deque(maxlen=RECENT_REPLIES))
     plans: OrderedDict[int, _Plan] = field(default_factory=OrderedDict)
@@ -352,12 +360,33 @@ class SessionStore:
         ties; and the deepest node the request's messages reach (where it leaves what is known)."""
         best: _Remembered | None = None
         node = exe.root
-        for m in messages:
-            nxt = node.child(m)
-            if nxt is None:
+        same = _same_message
+        start = 0
+        # The hot path: a request that extends the end of a recent line is checked against that
+        # line's messages in one pass; the trie walk then only covers what follows (and any longer
+        # call, which can only lie below that end). Tools that differ there: the full walk.
+        n = len(messages)
+        for k, tip in enumerate(reversed(exe.tips.values())):
+            if k == TIPS_CHECKED:
                 break
-            node = nxt
-            if tools is not None:
+            d = tip.node.depth
+            if start < d <= n and all(map(same, messages, tip.norms, tip.raws)):
+                node, start = tip.node, d
+        if start:
+            for cand in reversed(node.calls):
+                if cand.tools is tools:
+                    best = cand
+                    break
+            if best is None:
+                node, start = exe.root, 0
+        for m in messages[start:] if start else messages:  # no method calls but the comparison
+            for c in node.children:
+                if same(m, c.norm, c.raw):
+                    node = c
+                    break
+            else:
+                break
+            if node.calls and tools is not None:
                 for cand in reversed(node.calls):
                     if cand.tools is tools:
                         best = cand
@@ -465,29 +494,44 @@ class SessionStore:
             if base is not None and base.forgotten:
                 base = None
         node = base.node if base is not None else exe.root
+        added = []
         for m in messages[node.depth :]:
             node = self._child(exe, node, m, line)
+            added.append(node)
         node = self._child(exe, node, reply, line)
+        added.append(node)
         tail = self._shared(output_ids)
         if not output_ids or output_ids[-1] != self.tok.im_end:
             tail.append(self._ints[self.tok.im_end])
         tail += self._separator
         if base is not None and len(base.tape) == base.length:  # the line's newest end: append in place
-            tape = base.tape
+            tape, norms, raws = base.tape, base.norms, base.raws
             grown = len(prompt_ids) - base.length + len(tail)
             tape += prompt_ids[base.length :]
+            exe.tips.pop(id(tape), None)
         else:  # a first call, a branch, or a prompt not planned here: a tape of its own
             tape = prompt_ids.copy() if plan is not None else self._shared(prompt_ids)
             grown = len(tape) + len(tail)
+            path = []  # the messages before the added ones: the trie path above them
+            up = added[0].parent
+            while up is not None and up.parent is not None:
+                path.append(up)
+                up = up.parent
+            path.reverse()
+            norms, raws = [n.norm for n in path], [n.raw for n in path]
+            grown += 2 * len(norms)
+        norms += [n.norm for n in added]
+        raws += [n.raw for n in added]
         tape += tail
-        exe.bytes += 8 * grown
+        exe.bytes += 8 * (grown + 2 * len(added))
         exe.tape_refs[id(tape)] = exe.tape_refs.get(id(tape), 0) + 1
         if tools_obj is None:  # unseen when planned; another call may have brought the same tools since
             tools_obj = next((t for t in exe.tools if t == (tools or [])), None)
         if tools_obj is None:
             tools_obj = list(tools or [])
             exe.tools.append(tools_obj)
-        entry = _Remembered(node=node, tools=tools_obj, tape=tape, length=len(tape), line=line)
+        entry = _Remembered(node=node, tools=tools_obj, tape=tape, length=len(tape), norms=norms, raws=raws, line=line)
+        exe.tips[id(tape)] = entry
         node.calls.append(entry)
         exe.calls.append(entry)
         exe.replies.append((node.norm, line))
@@ -514,7 +558,9 @@ class SessionStore:
             exe.tape_refs[id(call.tape)] = refs
         else:
             del exe.tape_refs[id(call.tape)]
-            exe.bytes -= 8 * len(call.tape)
+            exe.bytes -= 8 * (len(call.tape) + 2 * len(call.norms))
+        if exe.tips.get(id(call.tape)) is call:
+            del exe.tips[id(call.tape)]
         node = call.node
         while node.parent is not None and not node.calls and not node.children:
             node.parent.children.remove(node)

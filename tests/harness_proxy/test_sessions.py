@@ -192,6 +192,7 @@ def test_the_store_decides_exactly_as_the_plain_algorithm(data):
             nxt = {"role": data.draw(st.sampled_from(["user", "tool"])), "content": data.draw(st.text(max_size=8))}
             how = data.draw(st.sampled_from(["verbatim", "verbatim", "reserialised", "edited"]))
             states[agent].append(messages + [_echo(reply, how), nxt])
+        _check_paths(fast)
 
 
 def test_consecutive_calls_share_one_tape_and_a_branch_copies():
@@ -322,7 +323,7 @@ def test_memory_is_bounded_by_bytes_and_the_newest_calls_stay():
     assert not store.build_prompt("ex", "", lines[0], None).spliced  # the oldest was forgotten
     exe = store._executions["ex"]  # noqa: SLF001
     assert len(exe.root.children) == len(exe.calls) < 30  # forgotten conversations left no message behind
-    held = sum(8 * len(c.tape) for c in exe.calls) + sum(n.cost for n in _nodes(exe.root))
+    held = sum(8 * (len(c.tape) + 2 * len(c.norms)) for c in exe.calls) + sum(n.cost for n in _nodes(exe.root))
     assert held == store.held_bytes("ex")  # the count is exact for what is held
     # A single call over the budget is still remembered (the newest always stays).
     huge = [{"role": "user", "content": "y" * (2 * budget)}]
@@ -337,3 +338,17 @@ def _nodes(node):
     for c in node.children:
         yield c
         yield from _nodes(c)
+
+
+def _check_paths(store):
+    """Each remembered call's shared message lists begin with its trie path; a line's end is its tape's newest call."""
+    for exe in store._executions.values():  # noqa: SLF001
+        for c in exe.calls:
+            path, node = [], c.node
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            assert c.norms[: c.node.depth] == [n.norm for n in path] and len(path) == c.node.depth
+        for tip in exe.tips.values():
+            assert tip.length == len(tip.tape) and len(tip.norms) == tip.node.depth

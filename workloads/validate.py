@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from controller.config import build_config
 from controller.typed_config import ConfigError
 from workloads.api import GradeResult, RunArtifacts, TaskSet
-from workloads.sandbox import make_sandbox
+from workloads.sandbox import SandboxUnavailable, make_sandbox
 from workloads.tasksets import make_taskset
 from workloads.tasksets.swe import SweTask
 
@@ -127,15 +129,19 @@ def main(argv: list[str]) -> int:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
             raw = compose(config_name="config", overrides=argv)
         cfg = build_config(OmegaConf.to_container(raw, resolve=True))
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, HydraException, OmegaConfBaseException) as exc:
         print(f"validate: bad config: {exc}", file=sys.stderr)
         return 2
     if cfg.workload.kind != "swe":
         print(f"validate: workload.kind={cfg.workload.kind}: only swe task sets have gold patches", file=sys.stderr)
         return 2
-    sandbox = make_sandbox(cfg.sandbox)
+    try:
+        sandbox = make_sandbox(cfg.sandbox)
+        taskset = make_taskset(cfg.workload, sandbox)
+    except (SandboxUnavailable, ValueError) as exc:  # TaskFileError is a ValueError
+        print(f"validate: {exc}", file=sys.stderr)
+        return 2
     print(f"validate: {sandbox.describe()}", file=sys.stderr)
-    taskset = make_taskset(cfg.workload, sandbox)
     Path(cfg.workload.data_dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".validate.", dir=cfg.workload.data_dir)).resolve()
     try:

@@ -417,6 +417,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
     # Also after a normal exit: a test may have left a child running in the group.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # the group is gone already
         pass
     proc.wait()

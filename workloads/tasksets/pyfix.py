@@ -2,7 +2,7 @@
 
 ``generate(data_dir)`` writes, deterministically and offline,
 
-- ``<data_dir>/pyfix/repos/<instance_id>/``: a git repository per task. Its first commit (the
+- ``<data_dir>/pyfix/repos/<instance_id>/``: a (bare) git repository per task. Its first commit (the
   task's ``base_commit``) holds the module with the bug, a README and a few visible tests that
   pass; its second commit, the repository's HEAD, is the fix with the hidden tests: the future
   history a workspace must never show (workloads/tasksets/swe.py builds workspaces without it);
@@ -193,16 +193,31 @@ def _make_tests(family: Family, module: types.ModuleType) -> list[_Test]:
 
 
 def _passes(test: _Test, module: types.ModuleType) -> bool:
-    import pytest  # what the test code's pytest.raises needs; only while generating
-
-    # The test's globals are what its file's `from <module> import ...` would bind.
-    namespace: dict[str, Any] = {"pytest": pytest, **{k: v for k, v in vars(module).items() if not k.startswith("__")}}
+    # The test's globals are what its file's imports would bind; pytest.raises is stood in for, so
+    # generating needs no pytest (the controller's install may have none).
+    namespace: dict[str, Any] = {"pytest": types.SimpleNamespace(raises=_Raises),
+                                 **{k: v for k, v in vars(module).items() if not k.startswith("__")}}
     try:
         exec(test.code, namespace)
         namespace[test.name]()
         return True
-    except (Exception, pytest.fail.Exception):  # pytest's Failed is a BaseException
+    except Exception:
         return False
+
+
+class _Raises:
+    """``pytest.raises(kind)`` as the generated tests use it: the block must raise ``kind``."""
+
+    def __init__(self, kind: type[BaseException]):
+        self.kind = kind
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        if kind is None:
+            raise AssertionError(f"DID NOT RAISE {self.kind.__name__}")
+        return issubclass(kind, self.kind)  # another exception propagates: the test fails
 
 
 def _visible_tests(tests: list[_Test], pass_to_pass: list[_Test]) -> list[_Test]:

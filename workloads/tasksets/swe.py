@@ -190,7 +190,9 @@ def _test_ids(row: dict[str, Any], name: str, fail) -> tuple[str, ...]:
 
 def _repo_path(raw: str, base_dir: Path, fail) -> Path:
     path = (base_dir / raw).resolve()
-    if path.is_dir() and (path / ".git").exists() or (path / "HEAD").is_file() and (path / "objects").is_dir():
+    is_work_tree = path.is_dir() and (path / ".git").exists()
+    is_bare = (path / "HEAD").is_file() and (path / "objects").is_dir()
+    if is_work_tree or is_bare:
         return path
     if path.is_file() and path.name.endswith(TARBALL_SUFFIXES):
         return path
@@ -261,6 +263,7 @@ class SweTaskSet:
                 return final
             self._workspaces_dir.mkdir(parents=True, exist_ok=True)
             building = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=self._workspaces_dir))
+            log.info("%s: building the workspace template %s", task.instance_id, final)
             try:
                 tree = _materialise(task, building)
                 if task.setup_cmd:
@@ -302,10 +305,10 @@ def _split(cfg: WorkloadConfig) -> tuple[list[SweTask], list[SweTask]]:
 
 
 def _template_key(task: SweTask) -> str:
-    source = task.repo.stat()
-    # A tarball is named by its size and mtime; a git commit names its own content.
+    # A commit names its own content; a tarball is named by its size and mtime.
     parts = [TEMPLATE_VERSION, str(task.repo), task.base_commit, task.setup_cmd]
     if task.repo.is_file():
+        source = task.repo.stat()
         parts += [str(source.st_size), str(source.st_mtime_ns)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 

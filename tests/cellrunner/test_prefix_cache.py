@@ -199,3 +199,17 @@ def test_cache_off_reports_nothing_cached(engines) -> None:
     assert engine.prefix_cache_usage() == (0, 0)
     status, _ = call(engine, "/health")
     assert status == 200
+
+
+def test_bench_smoke(capsys) -> None:
+    """bench.prefix_cache at tiny sizes (random ids, no Claude Code binary), so it cannot rot."""
+    import json
+
+    from bench import prefix_cache
+
+    prefix_cache.main(["--synthetic", "300", "--calls", "3", "--max-new-tokens", "4"])
+    out = json.loads(capsys.readouterr().out)
+    session = out["session"]
+    assert session["same_outputs"] and session["max_abs_logprob_diff"] < SAME
+    assert session["no_cache_prefill_tokens"] - session["cache_prefill_tokens"] == session["prefill_tokens_saved"] > 0
+    assert [c["cached_tokens"] > 0 for c in session["per_call"]] == [False, True, True]

@@ -53,13 +53,16 @@ only for a call that extends nothing. Each new sub-agent line gets a derived age
 ``side-<n>`` (its records carry agent id ''). A call on a line whose last user message holds a
 summary marker is that line's ``-summary``.
 
-Cost per spliced call (the hot path of a long conversation): one walk comparing the request's
-messages with the remembered ones (a trie of messages shared by all calls; no JSON work unless a
-harness re-serialised a tool call), the template only for the new messages, and one copy of the
-remembered ids into the new prompt list; ``remember`` then appends only the new ids. To make that
-work, the ids of a line of calls live on one append-only list (a *tape*): a remembered call is
-``(tape, length)``, and the next call that extends it from the tape's end appends in place; a call
-that branches off an earlier point copies the prefix onto a new tape. Token ids on tapes are shared
+Cost per spliced call (the hot path of a long conversation): one pass comparing the request's
+messages with those of the ends of the most recent lines (``TIPS_CHECKED``), then a walk of the
+message trie (shared by all calls) over only what follows; no JSON work unless a harness
+re-serialised a tool call; the template only for the new messages, and one copy of the remembered
+ids into the new prompt list; ``remember`` then appends only the new ids and messages. To make
+that work, the ids (and the messages) of a line of calls live on append-only lists (a *tape*): a
+remembered call is ``(tape, length)``, and the next call that extends it from the tape's end
+appends in place; a call that branches off an earlier point copies the prefix onto a new tape.
+No step is quadratic in the number of calls: the trie holds each distinct message once, and the
+derivation rules 4-8, which look further, run only for calls that extend nothing. Token ids on tapes are shared
 ``int`` objects (one per vocabulary id), so a held id costs 8 bytes, and successive calls share
 their messages' normalised text.
 """

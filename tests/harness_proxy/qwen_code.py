@@ -132,7 +132,7 @@ def qwen_home(home: Path) -> Path:
 def qwen_env(home: Path, base_url: str, api_key: str, **extra: str) -> dict[str, str]:
     """The headless environment: ``base_url`` is the proxy's root (``/v1`` is added)."""
     return {
-        "PATH": f"{Path('/usr/bin')}:/bin", "HOME": str(qwen_home(home)), "LANG": "C.UTF-8",
+        "PATH": "/usr/bin:/bin", "HOME": str(qwen_home(home)), "LANG": "C.UTF-8",
         "OPENAI_API_KEY": api_key, "OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_MODEL": MODEL, **extra,
     }
 

@@ -47,7 +47,9 @@ class MiniSweAgentHarness:
             "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={launch.base_url}", "-c", "agent.cost_limit=0",
             "-c", f"agent.step_limit={c.step_limit}", "-o", str(launch.home / "trajectory.json"), *c.extra_args,
         ]
-        env = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
+        # LITELLM_LOCAL_MODEL_COST_MAP: litellm otherwise fetches its price list from the internet at
+        # start (three tries, ~8 s, in a sandbox where only the proxy is reachable).
+        env = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "MSWEA_GLOBAL_CONFIG_DIR": str(launch.home / ".mini-swe-agent"), **c.env}
         venv = self.binary.resolve().parent.parent
         ro = [venv]

@@ -13,6 +13,8 @@ import logging
 import os
 import random
 import secrets
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,10 @@ from workloads.parts import build_parts
 log = logging.getLogger(__name__)
 
 MAX_REPLACEMENT_GROUPS_PER_STEP = 4
+CLOSING_GRACE_S = 5.0
+"""How long a finished run waits for the processor's last ExecutionFacts."""
+UNIX_PATH_MAX = 100
+"""Bytes of a Unix socket path we use at most (Linux's sun_path holds 108 with its NUL)."""
 
 
 class RunFailed(RuntimeError):
@@ -94,12 +100,15 @@ class Controller:
         self.children: dict[str, object] = {}
         self.executions: ExecutionManager | None = None
         self.proxy_url = ""
+        self.socket_dir: Path | None = None
         self.routing_version = 0
         self.routed: tuple = ()
         self.planned_steps = 0
         self.replacements: dict[int, int] = {}
         self.group_last_end: dict[str, float] = {}  # training group -> its latest run's end (monotonic)
-        self.stage = "starting"  # starting -> eval_start -> train -> final -> eval_end -> done
+        self.stage = "starting"  # starting -> eval_start -> train -> final -> eval_end -> closing -> done
+        self.facts_seen: set[str] = set()
+        self.closing_until = 0.0
         self.evals: list[EvalRound] = []
         self.step_rewards: list[tuple[int, float]] = []
         self.num_bad_frames = 0
@@ -121,7 +130,7 @@ class Controller:
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
             ["--processor", proc_ready["records_addr"], "--secret-hex", self.secret.hex(),
-             "--unix-socket", str(self.run_dir / "proxy.sock")],
+             "--unix-socket", str(self.proxy_socket_path())],
         )
         self.proxy_url = proxy_ready["url"]
         unix_socket = proxy_ready.get("unix_socket")
@@ -188,6 +197,15 @@ class Controller:
         self.children[name] = proc
         return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
 
+    def proxy_socket_path(self) -> Path:
+        """Where the proxy also listens for the sandboxes' relays: the run folder when its path fits
+        AF_UNIX's 108 bytes, else a private (0700) temporary folder removed at shutdown."""
+        path = self.run_dir / "proxy.sock"
+        if len(os.fsencode(path.resolve())) < UNIX_PATH_MAX:
+            return path
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="gyre-"))
+        return self.socket_dir / "proxy.sock"
+
     def attempt_dir(self, name: str) -> Path:
         """``name/`` on a run's first attempt, ``name.<k>/`` on attempt k of a resumed run: the
         processor's log and the workspaces of the old attempt belong to executions that died with
@@ -206,6 +224,8 @@ class Controller:
             self.send_to(f"cell-{cell.cell_id}", wire.Shutdown(reason="run over"))
         procs = [c.proc for c in self.cells.cells.values() if c.proc is not None] + list(self.children.values())
         stop(procs, grace_s=8.0)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.metrics.close()
         self.sock.close(0)
 
@@ -387,6 +407,7 @@ class Controller:
         per-execution and per-harness tables read these)."""
         if not self._is_peer(ident, "processor"):
             return
+        self.facts_seen.add(msg.execution_id)
         self.metrics.log("execution_facts", t=time.monotonic() - self.t0, **wire.to_plain(msg))
 
     def on_error_reply(self, ident: bytes, msg: wire.ErrorReply) -> None:
@@ -561,10 +582,20 @@ class Controller:
                     self.stage = "eval_end"
                     self.start_eval("end")
                 else:
-                    self.stage = "done"
+                    self.close()
         elif self.stage == "eval_end" and self.evals[-1].done:
             self.finish_eval()
-            self.stage = "done"
+            self.close()
+        elif self.stage == "closing":
+            ended = {eid for eid, ex in self.executions.executions.items() if ex.settled}
+            if ended <= self.facts_seen or time.monotonic() > self.closing_until:
+                self.stage = "done"
+
+    def close(self) -> None:
+        """Every run is graded: give the processor a moment to send the last runs' facts (they
+        follow the last Grade and SealExecution), then stop."""
+        self.stage = "closing"
+        self.closing_until = time.monotonic() + CLOSING_GRACE_S
 
     def finish_eval(self) -> None:
         rnd = self.evals[-1]

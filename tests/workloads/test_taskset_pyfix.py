@@ -74,7 +74,7 @@ def test_make_taskset_generates_and_splits(data_dir: Path):
     taskset = make_taskset(_cfg(data_dir), NoSandbox())
     assert isinstance(taskset, SweTaskSet)
     train, held_out = taskset.split()
-    assert (len(train), len(held_out)) == (112, 8)
+    assert (len(train), len(held_out)) == (132, 8)
     assert not {t.task_id for t in train} & {t.task_id for t in held_out}
 
 

@@ -80,7 +80,9 @@ $(LITELLM_STAMP):
 	.venv-litellm/bin/pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
 	touch $@
 
-run: venv
+# The pinned Claude Code comes with the install, so `.venv/bin/gyre +experiment=claude_code` runs
+# right after `make run` (bubblewrap, for sandbox=bwrap, is `make system-packages`).
+run: venv claude-code
 	$(BIN)/gyre $(ARGS)
 
 test: venv system-packages claude-code mini-swe-agent qwen-code

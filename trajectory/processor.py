@@ -581,7 +581,7 @@ class ProcessorService:
         out: list[Message] = []
         for _, msg in accepted:
             out.extend(self.processor.on_message(msg))
-        return out + self.processor.take_facts()
+        return out
 
 
 def _collect_by_group(messages: list[Message], owed: dict[tuple[str, str], list[Message]]) -> None:
@@ -666,7 +666,7 @@ def serve(
 
 def _send(dealer: zmq.Socket, service: ProcessorService, messages: list[Message]) -> None:
     service.mark_sending(messages)
-    for m in messages:
+    for m in messages + service.processor.take_facts():  # facts: informational, never marked or owed
         dealer.send(encode(m))
 
 

@@ -69,3 +69,19 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
         if kind is None or event.get("kind") == kind:
             out.append(event)
     return out
+
+
+def call_records(run_dir: Path) -> list:
+    """Every CallRecord in the run's processor log (the processor's own markers skipped)."""
+    from controller import wire
+    from trajectory.log import AppendLog
+
+    out = []
+    for frame in AppendLog(run_dir / "processor/processor.log", fsync=False).scan():
+        try:
+            msg = wire.decode(frame)
+        except wire.ProtocolError:
+            continue
+        if isinstance(msg, wire.CallRecord):
+            out.append(msg)
+    return out

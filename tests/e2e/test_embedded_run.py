@@ -26,8 +26,7 @@ from cellrunner.model import build_model, flatten_params
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
-from tests.e2e import ROOT, run_gyre_with
-from trajectory.log import AppendLog
+from tests.e2e import ROOT, call_records, run_gyre_with
 
 STEPS = 3
 
@@ -93,14 +92,7 @@ def test_short_embedded_run(tmp_path):
     assert not np.allclose(final[first.name].reshape(-1), init.data[first.offset:first.offset + n])
 
     # The engines served the new versions: records carry the version that produced them.
-    records = []
-    for frame in AppendLog(run_dir / "processor/processor.log", fsync=False).scan():
-        try:
-            msg = wire.decode(frame)
-        except wire.ProtocolError:
-            continue  # the processor's own markers
-        if isinstance(msg, wire.CallRecord):
-            records.append(msg)
+    records = call_records(run_dir)
     versions = {r.weight_version for r in records}
     assert 0 in versions and max(versions) >= 1, versions
     eval_end = [r for r in records if r.execution_id.startswith("eval-end")]

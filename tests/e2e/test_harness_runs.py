@@ -12,8 +12,7 @@ import pytest
 
 from controller import wire
 from harness_proxy.tokenizer import get_tokenizer
-from tests.e2e import metrics, run_gyre_with
-from trajectory.log import AppendLog
+from tests.e2e import call_records, metrics, run_gyre_with
 from workloads.sandbox.bwrap import bwrap_problem
 
 IM_START = get_tokenizer("qwen_compact", 1024).specials["<|im_start|>"]
@@ -22,18 +21,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(bool(bwrap_problem("")), reaso
 
 def idle(run_dir: Path, done, report) -> None:
     done.wait()
-
-
-def call_records(run_dir: Path) -> list[wire.CallRecord]:
-    out = []
-    for frame in AppendLog(run_dir / "processor/processor.log", fsync=False).scan():
-        try:
-            msg = wire.decode(frame)
-        except wire.ProtocolError:
-            continue  # the processor's own markers
-        if isinstance(msg, wire.CallRecord):
-            out.append(msg)
-    return out
 
 
 def check_run(run_dir: Path, harness: str, steps: int) -> list[dict]:

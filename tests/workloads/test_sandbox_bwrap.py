@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import socketserver
 import statistics

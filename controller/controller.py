@@ -101,6 +101,7 @@ class Controller:
         self.executions: ExecutionManager | None = None
         self.proxy_url = ""
         self.socket_dir: Path | None = None
+        self.last_execution_error = ""
         self.routing_version = 0
         self.routed: tuple = ()
         self.planned_steps = 0
@@ -401,6 +402,15 @@ class Controller:
             if n < MAX_REPLACEMENT_GROUPS_PER_STEP:
                 self.replacements[msg.step] = n + 1
                 self.plan_groups(msg.step, 1, tag=f"r{n}")
+                return
+            st = self.steps.steps.get(msg.step)
+            if st is not None and st.rollouts_done and st.num_executions == 0:
+                # Nothing left to train this step on and no replacement to wait for: stop with the
+                # reason rather than wait forever (a harness that cannot start, a grader that always fails).
+                raise RunFailed(
+                    f"step {msg.step}: every group was dropped, {n} replacements included (too few usable "
+                    f"executions: {self.executions.num_crashed} crashed, {self.executions.num_grade_failed} grader "
+                    f"failures so far); the last execution error: {self.last_execution_error or '-'}")
 
     def on_execution_facts(self, ident: bytes, msg: wire.ExecutionFacts) -> None:
         """What an execution did, counted from its CallRecords by the processor (the report's
@@ -494,6 +504,8 @@ class Controller:
                          task=ex.task.task_id, harness=self.cfg.harness.kind, outcome=ex.outcome,
                          run_s=ex.ended_at - ex.started_at, reward=ex.reward, state=ex.state,
                          error=ex.error[:300] if ex.error else "")
+        if ex.error:
+            self.last_execution_error = f"{ex.execution_id}: {ex.error[:500]}"
         if ex.train:  # the processor answers a training group with GroupDone, which takes this out
             self.group_last_end[ex.group_id] = max(ex.ended_at, self.group_last_end.get(ex.group_id, 0.0))
         self.send_to("processor", wire.Grade(

@@ -110,7 +110,7 @@ class ExecutionManager:
         self.taskset = taskset
         self.harness = harness
         self.sandbox = sandbox
-        self.work_dir = work_dir
+        self.work_dir = work_dir.resolve()  # sandboxes bind paths as they are: absolute ones
         self.proxy = proxy
         self.model_name = model_name
         self.secret = secret

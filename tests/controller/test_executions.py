@@ -157,3 +157,20 @@ def test_harness_output_and_grade_are_kept_in_the_execution_folder(tmp_path):
     assert "harness: error" in (folder / "stderr.log").read_text()
     assert (folder / "stdout.log").exists() and (folder / "prompt.md").read_text() == task.prompt
     assert ex.workspace == folder / "workspace" and (folder / "workspace" / "TASK.md").exists()
+
+
+def test_workspaces_are_absolute_even_under_a_relative_runs_dir(tmp_path, monkeypatch):
+    """runs_dir defaults to the relative `runs`; a sandbox binds paths as given, so they must be absolute."""
+    monkeypatch.chdir(tmp_path)
+    cfg = workload()
+    mgr = ExecutionManager(
+        workload=cfg, taskset=WordmapTaskSet(cfg), harness=BundledHarness(BundledHarnessConfig(kind="bundled")),
+        sandbox=NoSandbox(), work_dir=Path("runs/r1/work"), proxy=ProxyEndpoint(url="http://127.0.0.1:9"),
+        model_name="m", secret=b"k" * 32,
+    )
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=make_tasks(cfg)[0][0], train=True, temperature=1.0, size=1)
+    mgr.launch(ex, time.monotonic())
+    try:
+        assert ex.workspace == tmp_path / "runs/r1/work/s0-g0-e0/workspace"
+    finally:
+        mgr.kill_all()

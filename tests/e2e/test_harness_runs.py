@@ -74,3 +74,14 @@ def test_wordmap_through_claude_code_trains(tmp_path):
     assert all(r["outcome"] == "finished" for r in runs)
     out = (run_dir / "work" / runs[0]["id"] / "stdout.log").read_text()
     assert out.strip(), "claude -p printed no answer"
+
+
+def test_a_harness_that_always_crashes_stops_the_run_with_the_reason(tmp_path):
+    """Every group dropped, replacements too: the run stops (exit 1) naming why, instead of waiting forever."""
+    from tests.e2e import start_gyre
+
+    proc = start_gyre(tmp_path / "runs", "harness=command", "harness.argv=[/bin/false]", "sandbox=none", "run.steps=2",
+                      "run.eval_at_start=false")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-3000:]
+    assert "every group was dropped" in out and "harness exit code 1" in out

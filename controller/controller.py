@@ -67,7 +67,7 @@ class EvalRound:
 class Controller:
     def __init__(self, cfg: GyreConfig, run_dir: Path):
         self.cfg = cfg
-        self.run_dir = run_dir
+        self.run_dir = run_dir.resolve()  # sandboxes bind paths (workspaces, the proxy's socket) as they are
         self.log_dir = run_dir / "logs"
         # Attempts of one run folder (a requeued job): 0, then one more per earlier processor log.
         self.attempt = sum(1 for p in run_dir.glob("processor*") if p.is_dir())

@@ -85,3 +85,21 @@ def test_a_harness_that_always_crashes_stops_the_run_with_the_reason(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-3000:]
     assert "every group was dropped" in out and "harness exit code 1" in out
+
+
+def test_the_default_relative_runs_dir_runs_sandboxed(tmp_path):
+    """`make run` keeps runs under the relative `runs/`: workspaces and the proxy's socket must reach
+    the sandbox as absolute paths (a fresh clone found every harness failing to start here)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e import ROOT, SMALL
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller.main", "run.runs_dir=runs", "run.steps=1", "sandbox=bwrap", *SMALL],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]
+    assert all(r["state"] == "graded" for r in metrics(run_dir, "execution"))

@@ -23,16 +23,20 @@ QWEN_CODE_STAMP   := .tools/qwen-code/.installed-$(QWEN_CODE_VERSION)
 LITELLM_VERSION := 1.106.12
 LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 
-# Debian packages the harness tests need: bubblewrap (sandbox=bwrap) and the system Python's pytest
-# (hidden tests run inside the sandbox, which shows the read-only system, not the project's venv).
-HARNESS_DEBS := bubblewrap python3-pytest
+# Debian packages the tests need, so `make test` sets up a fresh machine by itself: bubblewrap
+# (sandbox=bwrap) and the system Python's pytest (hidden tests run inside the sandbox, which shows
+# the read-only system, not the project's venv); a real local Slurm for tests/slurm (slurmdbd and
+# MariaDB because submitit learns a job's fate through sacct); libibverbs for Mooncake's CPU build;
+# npm for the pinned Claude Code and Qwen Code.
+TEST_DEBS := bubblewrap python3-pytest slurm-wlm munge slurmdbd mariadb-server libibverbs1 ibverbs-providers
+NPM_DEBS  := $(if $(shell command -v npm),,nodejs npm)
 
 .PHONY: venv system-packages claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean
 
 venv: $(STAMP)
 
 system-packages:
-	@missing=$$(for p in $(HARNESS_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(TEST_DEBS) $(NPM_DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages: run: sudo apt-get install -y $$missing"; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \

@@ -72,6 +72,9 @@ class LossStats:
     mean_ratio: float
     clip_fraction: float
     num_targets: int
+    kl: float = 0.0
+    """KL(behaviour || current) per policy token, k3 estimator: mean of exp(d) - 1 - d, d = new - old
+    logprob (>= 0, unbiased under behaviour samples; what TensorBoard plots as the drift from behaviour)."""
 
 
 def sequence_ratios(logprobs: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,10 +99,14 @@ def gspo_loss(
     loss = weighted[has].sum()
     with torch.no_grad():
         was_clipped = (clipped < unclipped)[has].float()
+        d = (logprobs.detach() - batch.behaviour_logprobs) * batch.target_mask
+        k3 = (torch.exp(d) - 1.0 - d) * batch.target_mask
+        num_targets = float(batch.target_mask.sum().item())
         stats = LossStats(
             loss=float(loss.item()),
             mean_ratio=float(ratio[has].mean().item()) if has.any() else 1.0,
             clip_fraction=float(was_clipped.mean().item()) if has.any() else 0.0,
             num_targets=batch.num_targets,
+            kl=float(k3.sum().item()) / num_targets if num_targets else 0.0,
         )
     return loss, stats

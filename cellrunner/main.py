@@ -223,6 +223,7 @@ class CellRunner:
         self.send(wire.MicrostepDone(
             cell_id=self.cell_id, step=shard.step, shard_id=shard.shard_id,
             num_tokens=res.num_tokens, loss=res.loss, fb_s=res.fb_s,
+            mean_ratio=res.mean_ratio, clip_fraction=res.clip_fraction, kl=res.kl,
         ))
 
     def fold_groups(self, groups: list[wire.GroupStats]) -> float:

@@ -374,7 +374,7 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         chunks = split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep)
         batches = [pack(c) for c in chunks[self.dp_rank :: self.dp_size]]  # this DP rank's share
-        totals = torch.zeros(5, dtype=torch.float64)  # loss, tokens, ratio*seqs, clipped*seqs, seqs
+        totals = torch.zeros(6, dtype=torch.float64)  # loss, tokens, ratio*seqs, clipped*seqs, seqs, kl*tokens
         if batches:
             fb = get_forward_backward_func()
             fb(
@@ -392,6 +392,7 @@ class MegatronTrainer:
         return MicrostepResult(
             num_tokens=int(round(float(totals[1]))), loss=float(totals[0]), fb_s=time.perf_counter() - t0,
             mean_ratio=float(totals[2]) / seqs, clip_fraction=float(totals[3]) / seqs,
+            kl=float(totals[5]) / float(totals[1]) if float(totals[1]) > 0 else None,
         )
 
     def take_grads(self) -> np.ndarray:
@@ -622,8 +623,8 @@ class MegatronTrainer:
     @staticmethod
     def _count(totals: torch.Tensor, stats: LossStats, batch: PackedBatch) -> None:
         n = int((batch.target_mask.sum(dim=1) > 0).sum().item())
-        totals += torch.tensor([stats.loss, stats.num_targets, stats.mean_ratio * n, stats.clip_fraction * n, n],
-                               dtype=torch.float64)
+        totals += torch.tensor([stats.loss, stats.num_targets, stats.mean_ratio * n, stats.clip_fraction * n, n,
+                                stats.kl * stats.num_targets], dtype=torch.float64)
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
         if self.device.type == "cpu":

@@ -39,6 +39,8 @@ class MicrostepResult:
     fb_s: float
     mean_ratio: float
     clip_fraction: float
+    kl: float | None = None
+    """Per policy token (``gspo.LossStats.kl``); None when no chunk measured it (run-released only)."""
 
 
 def split_by_tokens(sequences: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
@@ -132,6 +134,7 @@ class EmbeddedTrainer:
         assert self.model is not None, "microstep before start()"
         t0 = time.perf_counter()
         total_loss, num_tokens, ratios, clips, n = 0.0, 0, 0.0, 0.0, 0
+        kl_sum, kl_tokens = 0.0, 0
         sequences = list(shard.sequences)
         device_tokens = float(sum(len(s.tokens) for s in sequences))  # what the emulated device computes
         if self.algo.tree_packing:
@@ -160,6 +163,8 @@ class EmbeddedTrainer:
             total_loss += stats.loss
             ratios += stats.mean_ratio * len(chunk)
             clips += stats.clip_fraction * len(chunk)
+            kl_sum += stats.kl * batch.num_targets
+            kl_tokens += batch.num_targets
         if self.device_s_per_token > 0:
             # the emulated accelerator: sleep (no CPU) until the device would have finished
             left = self.device_s_per_token * device_tokens - (time.perf_counter() - t0)
@@ -172,6 +177,7 @@ class EmbeddedTrainer:
             fb_s=time.perf_counter() - t0,
             mean_ratio=ratios / max(n, 1),
             clip_fraction=clips / max(n, 1),
+            kl=kl_sum / kl_tokens if kl_tokens else None,
         )
 
     def fold_groups(self, groups: list[GroupStats]) -> float:

@@ -105,6 +105,20 @@ def test_gspo_clip_and_sign():
     assert all(p.grad is None or float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
 
 
+def test_kl_to_behaviour_is_zero_on_policy_and_the_k3_mean_off_it():
+    model_cfg, _ = cfgs()
+    model = build_model(model_cfg, VOCAB)
+    seq = wire.Sequence(execution_id="e", tokens=[1, 2, 3, 4], target_mask=[0, 0, 1, 1],
+                        behaviour_logprobs=[0, 0, 0, 0], advantage=1.0, token_weight=0.5)
+    lp = token_logprobs(model, pack([seq])).detach()
+    on = pack([wire.Sequence(**{**wire.to_plain(seq), "behaviour_logprobs": [0, 0, *lp[0, 1:].tolist()]})])
+    assert gspo_loss(lp, on, eps_low=0.2, eps_high=0.2)[1].kl == pytest.approx(0.0, abs=1e-7)
+    old = [float(lp[0, 1]) - 0.3, float(lp[0, 2]) + 0.1]  # the behaviour policy was 0.3 lower, then 0.1 higher
+    off = pack([wire.Sequence(**{**wire.to_plain(seq), "behaviour_logprobs": [0, 0, *old]})])
+    want = sum(np.exp(d) - 1 - d for d in (0.3, -0.1)) / 2
+    assert gspo_loss(lp, off, eps_low=0.2, eps_high=0.2)[1].kl == pytest.approx(want, rel=1e-4)
+
+
 def test_split_by_tokens_keeps_every_sequence():
     rng = random.Random(3)
     seqs = [s for sh in make_shards(rng, 3) for s in sh.sequences]

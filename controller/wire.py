@@ -134,6 +134,12 @@ class MicrostepDone(Message):
     num_tokens: int
     loss: float
     fb_s: float
+    mean_ratio: float = 1.0
+    """Mean GSPO sequence ratio s_i of the microstep's sequences (1 = on-policy)."""
+    clip_fraction: float = 0.0
+    """Share of sequences whose clipped term was the smaller (their gradient is cut)."""
+    kl: float | None = None
+    """KL(behaviour || current) per policy token (k3 estimator); None where the trainer does not measure it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -467,11 +473,21 @@ class ExecutionFacts(Message):
     """Summed over calls (a long session re-sends its history each call)."""
     output_tokens: int
     tool_calls: int
+    tree_tokens: int = 0
+    """Tokens left in the execution's call tree after shared prefixes are merged (0 for eval runs):
+    prompt_tokens + output_tokens - tree_tokens is what deduplication saved."""
+    call_s_sum: float = 0.0
+    """Seconds the proxy spent on the execution's calls, engine included (started_at to finished_at)."""
+    call_s_max: float = 0.0
+    staleness_mean: float = 0.0
+    """Mean over calls of (the step trained on) - (the weight version that sampled the call)."""
+    staleness_max: int = 0
 
     def check(self) -> None:
         _non_negative(**{f: getattr(self, f) for f in (
             "num_calls", "main_calls", "summary_calls", "sub_agent_calls", "side_calls", "hung_up_calls",
-            "num_sub_agents", "prompt_tokens", "output_tokens", "tool_calls")})
+            "num_sub_agents", "prompt_tokens", "output_tokens", "tool_calls", "tree_tokens", "call_s_sum",
+            "call_s_max")})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

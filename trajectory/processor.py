@@ -137,6 +137,8 @@ class _Facts:
     prompt_tokens: int = 0
     output_tokens: int = 0
     tool_calls: int = 0
+    call_s: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     sent: bool = False
 
     def add(self, record: CallRecord) -> None:
@@ -148,14 +150,19 @@ class _Facts:
         self.prompt_tokens += len(record.prompt_ids)
         self.output_tokens += len(record.output_ids)
         self.tool_calls += record.num_tool_calls
+        self.call_s.append(max(record.finished_at - record.started_at, 0.0))
+        self.versions.append(record.weight_version)
 
-    def message(self, execution_id: str) -> ExecutionFacts:
+    def message(self, execution_id: str, *, step: int, tree_tokens: int) -> ExecutionFacts:
         lin = self.by_lineage
+        stale = [step - v for v in self.versions]
         return ExecutionFacts(
             execution_id=execution_id, num_calls=self.calls, main_calls=lin["main"],
             summary_calls=lin["main-summary"] + lin["sub-agent-summary"], sub_agent_calls=lin["sub-agent"],
             side_calls=lin["side"], hung_up_calls=self.hung_up, num_sub_agents=len(self.agents),
             prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens, tool_calls=self.tool_calls,
+            tree_tokens=tree_tokens, call_s_sum=sum(self.call_s), call_s_max=max(self.call_s, default=0.0),
+            staleness_mean=sum(stale) / len(stale) if stale else 0.0, staleness_max=max(stale, default=0),
         )
 
 
@@ -439,7 +446,8 @@ class Processor:
         if ex.grade is None or ex.sealed is None or ex.facts.sent:
             return
         ex.facts.sent = True
-        self._facts.append(ex.facts.message(execution_id))
+        tree_tokens = ex.tree.num_tokens if ex.tree is not None else 0
+        self._facts.append(ex.facts.message(execution_id, step=ex.grade.step, tree_tokens=tree_tokens))
 
     def take_facts(self) -> list[ExecutionFacts]:
         """The facts of executions done since the last call. Informational (the report's tables),

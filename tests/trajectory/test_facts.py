@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from controller.wire import ExecutionFacts
-from tests.trajectory import Run, grade
+from tests.trajectory import Run, grade, tree_of
 from tests.trajectory.test_processor import processor
 
 
@@ -35,8 +35,10 @@ def test_facts_count_what_the_records_say_once_graded_and_sealed():
     assert facts == ExecutionFacts(
         execution_id="g-e0", num_calls=6, main_calls=2, summary_calls=1, sub_agent_calls=2, side_calls=1,
         hung_up_calls=0, num_sub_agents=2, prompt_tokens=3 + 6 + 3 + 3 + 8 + 1, output_tokens=2 + 1 + 3 + 1 + 2 + 1,
-        tool_calls=2,
+        tool_calls=2, tree_tokens=tree_of(run).num_tokens, call_s_sum=6.0, call_s_max=1.0,
     )
+    # merging shared prefixes saved tokens: the tree holds fewer than the calls carried
+    assert 0 < facts.tree_tokens < facts.prompt_tokens + facts.output_tokens
     p.on_message(run.sealed())  # a duplicate seal sends nothing again
     assert p.take_facts() == []
 
@@ -51,3 +53,18 @@ def test_eval_runs_get_facts_too():
     p.on_message(run.sealed())
     (facts,) = p.take_facts()
     assert (facts.num_calls, facts.main_calls, facts.output_tokens) == (1, 1, 1)
+
+
+def test_staleness_per_call_is_the_step_trained_minus_the_version_that_sampled():
+    p = processor()
+    run = Run("g-e0")
+    ctx = run.call([1, 2], [3])
+    run.call(ctx + [4], [5])
+    run.records[0] = dataclasses.replace(run.records[0], weight_version=1)
+    run.records[1] = dataclasses.replace(run.records[1], weight_version=3)
+    for r in run.records:
+        p.on_message(r)
+    p.on_message(grade("g-e0", "g", 1.0, group_size=2, step=3))
+    p.on_message(run.sealed())
+    (facts,) = p.take_facts()
+    assert (facts.staleness_mean, facts.staleness_max) == (1.0, 2)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from cellrunner.config import (
     EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
+from controller.loggers.config import LoggerConfig
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
 from trajectory.config import AlgoConfig
@@ -119,6 +120,8 @@ class GyreConfig:
     """``trainer=embedded`` (torch, one process) or ``trainer=megatron`` (GPU install, cellrunner/GPU.md)."""
     engine: EmbeddedEngineConfig | SGLangConfig
     """``engine=embedded`` (torch, SGLang's native API) or ``engine=sglang`` (the real servers)."""
+    logger: LoggerConfig
+    """Where the run's figures go besides metrics.jsonl (conf/logger, several at once)."""
 
     def check(self) -> None:
         if self.cluster.ranks_per_node > 1 and not isinstance(self.trainer, MegatronConfig):
@@ -139,4 +142,7 @@ class GyreConfig:
 def build_config(resolved: dict[str, Any]) -> GyreConfig:
     """`resolved` is `OmegaConf.to_container(cfg, resolve=True)` without the `hydra` key."""
     # `launcher` says how the run starts (controller/submit.py), not what it is: not part of GyreConfig.
-    return build(GyreConfig, {k: v for k, v in resolved.items() if k not in ("hydra", "launcher")})
+    data = {k: v for k, v in resolved.items() if k not in ("hydra", "launcher")}
+    # conf/logger is a multi-select group: only the chosen options' keys exist; the others are off.
+    data["logger"] = {**{name: None for name in ("tensorboard", "wandb", "prometheus")}, **(data.get("logger") or {})}
+    return build(GyreConfig, data)

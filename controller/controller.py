@@ -27,9 +27,11 @@ from controller.checkpoints import Checkpoint, latest_checkpoint
 from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager, ProxyEndpoint
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
+from controller.loggers import build_loggers
 from controller.report import MetricsSink
 from controller.scheduler import SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 from controller.slurm_launch import SlurmCells, resolve_host
+from controller.step_stats import StepFigures
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
 from workloads.parts import build_parts
@@ -90,7 +92,8 @@ class Controller:
             core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps, checkpoint_every=cfg.run.checkpoint_every)
         # A requeued job (same run folder): the core starts from the newest complete checkpoint.
         self.resume_from = latest_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
-        self.metrics = MetricsSink(run_dir / "metrics.jsonl")
+        self.metrics = MetricsSink(run_dir / "metrics.jsonl", build_loggers(cfg.logger, run_dir, cfg))
+        self.step_figures = StepFigures()
         # What the run works on and through what (task set, harness, sandbox): built before any
         # process starts, so a missing harness binary or sandbox stops the run here.
         self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox)
@@ -340,8 +343,11 @@ class Controller:
     def on_microstep_done(self, ident: bytes, msg: wire.MicrostepDone) -> None:
         if self._cell(ident, msg.cell_id) is not None:
             shard = self.steps.on_microstep_done(msg.cell_id, msg.step, msg.shard_id, msg.loss, msg.num_tokens)
+            if shard is not None:
+                self.step_figures.on_microstep(msg)
             self.metrics.log("microstep", t=time.monotonic() - self.t0, cell=msg.cell_id, step=msg.step,
-                             fb_s=msg.fb_s, num_tokens=msg.num_tokens,
+                             fb_s=msg.fb_s, num_tokens=msg.num_tokens, mean_ratio=msg.mean_ratio,
+                             clip_fraction=msg.clip_fraction, kl=msg.kl,
                              run_released=shard is not None and shard.run_released)
 
     def on_grads_sent(self, ident: bytes, msg: wire.GradsSent) -> None:
@@ -362,7 +368,7 @@ class Controller:
             "step", t=now - self.t0, step=msg.step, weight_version=msg.weight_version, reward_mean=st.mean_reward,
             num_executions=st.num_executions, groups_dropped=st.groups_dropped, loss=st.loss,
             num_tokens=st.num_tokens, grad_norm=msg.grad_norm, apply_s=msg.apply_s,
-            trainers=sorted(st.done_by_cell),
+            trainers=sorted(st.done_by_cell), **self.step_figures.figures(msg.step, st),
         )
         log.info("step %d applied -> version %d (reward %.3f, %d executions, %d shards on cells %s)",
                  msg.step, msg.weight_version, st.mean_reward or 0.0, st.num_executions,
@@ -418,6 +424,9 @@ class Controller:
         if not self._is_peer(ident, "processor"):
             return
         self.facts_seen.add(msg.execution_id)
+        ex = self.executions.executions.get(msg.execution_id) if self.executions else None
+        if ex is not None and ex.train:
+            self.step_figures.on_facts(ex.step, msg)
         self.metrics.log("execution_facts", t=time.monotonic() - self.t0, **wire.to_plain(msg))
 
     def on_error_reply(self, ident: bytes, msg: wire.ErrorReply) -> None:
@@ -625,7 +634,9 @@ class Controller:
                 f"| demand {self.steps.train_demand()} | cells {roles}")
         print(line, flush=True)
         self.metrics.log("progress", t=now - self.t0, stage=self.stage, version=self.steps.version,
-                         phases={c.cell_id: c.phase for c in self.cells.cells.values()})
+                         phases={c.cell_id: c.phase for c in self.cells.cells.values()},
+                         versions={c.cell_id: c.weight_version for c in self.cells.cells.values()},
+                         queued=self.executions.count("queued"), running=self.executions.count("running"))
 
 
 def cellrunner_config(

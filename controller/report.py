@@ -4,12 +4,14 @@
     runs/<id>/summary.json    the run's figures (see write_summary)
     runs/<id>/reward.png      mean training reward per step, eval rewards marked
     runs/<id>/roles.png       each cell's role over time
-    runs/<id>/report.md       the figures and the two plots in one page
+    runs/<id>/water.png       the water level: queued and running executions against serving cells
+    runs/<id>/report.md       the figures and the plots in one page
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -21,20 +23,40 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from controller.execution_report import harness_table, read_executions
 from controller.cells import Cell  # noqa: E402
+from controller.loggers import Logger  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 PHASE_COLORS = {"serving": "#4c9be8", "draining": "#f0b04c", "training": "#d9534f", "to_serve": "#9bd17c", "starting": "#cccccc", "dead": "#333333"}
 
 
 class MetricsSink:
-    def __init__(self, path: Path):
+    """metrics.jsonl, and the same events to the run's loggers (controller.loggers). A logger that
+    fails (W&B's service gone, a full disk under tb/) is logged once and dropped: the run and its
+    metrics.jsonl go on."""
+
+    def __init__(self, path: Path, loggers: list[Logger] | None = None):
         self.path = path
         self._f = open(path, "a", buffering=1)
+        self.loggers = list(loggers or [])
 
     def log(self, kind: str, **fields: Any) -> None:
         self._f.write(json.dumps({"kind": kind, **fields}, sort_keys=True) + "\n")
+        for logger in list(self.loggers):
+            try:
+                logger.event(kind, fields)
+            except Exception:
+                log.exception("logger %s failed on a %s event; dropped for the rest of the run", logger.name, kind)
+                self.loggers.remove(logger)
 
     def close(self) -> None:
         self._f.close()
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception:
+                log.exception("logger %s failed to close", logger.name)
+        self.loggers = []
 
 
 def median_or_none(values: list[float]) -> float | None:
@@ -96,6 +118,50 @@ def plot_roles(run_dir: Path, cells: list[Cell], t0: float, t_end: float) -> Non
     plt.close(fig)
 
 
+def read_water_level(metrics_path: Path) -> list[tuple[float, int, int, int, int]]:
+    """(t, queued, running, serving cells, training cells) from the ``progress`` events."""
+    points = []
+    try:
+        lines = metrics_path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue  # a torn last line of a killed run
+        if not isinstance(ev, dict) or ev.get("kind") != "progress" or "queued" not in ev:
+            continue
+        phases = list((ev.get("phases") or {}).values())
+        points.append((float(ev["t"]), int(ev["queued"]), int(ev["running"]),
+                       phases.count("serving"), phases.count("training")))
+    return points
+
+
+def plot_water_level(run_dir: Path) -> None:
+    """What the elastic scheduler follows: queued + running executions (the water level) against
+    the cells serving them; training cells on the same axis of cells."""
+    points = read_water_level(run_dir / "metrics.jsonl")
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    if points:
+        t, queued, running, serving, training = zip(*points)
+        ax.stackplot(t, running, queued, labels=["running executions", "queued executions"],
+                     colors=["#4c9be8", "#f0b04c"], alpha=0.8, step="post")
+        cells_ax = ax.twinx()
+        cells_ax.step(t, serving, where="post", color="black", label="serving cells")
+        cells_ax.step(t, training, where="post", color="#d9534f", linestyle="--", label="training cells")
+        cells_ax.set_ylabel("cells")
+        cells_ax.set_ylim(0, max(max(serving), max(training), 1) + 0.5)
+        cells_ax.legend(loc="upper right", fontsize=7)
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("executions")
+    ax.legend(loc="upper left", fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "water.png", dpi=100)
+    plt.close(fig)
+
+
 def write_markdown(run_dir: Path, summary: dict[str, Any]) -> None:
     rows = "\n".join(
         f"| {c['id']}{' (core)' if c['core'] else ''} | {c['served_s']:.1f} | {c['trained_s']:.1f} | {c['switches']} |"
@@ -122,5 +188,7 @@ tokens, tool calls, sub-agents, compactions) events in `metrics.jsonl`; each run
 ![reward per step](reward.png)
 
 ![cell roles over time](roles.png)
+
+![water level: queued and running executions against serving cells](water.png)
 """
     (run_dir / "report.md").write_text(text)

@@ -27,8 +27,8 @@ LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 # (sandbox=bwrap) and the system Python's pytest (hidden tests run inside the sandbox, which shows
 # the read-only system, not the project's venv); a real local Slurm for tests/slurm (slurmdbd and
 # MariaDB because submitit learns a job's fate through sacct); libibverbs for Mooncake's CPU build;
-# npm for the pinned Claude Code and Qwen Code.
-TEST_DEBS := bubblewrap python3-pytest slurm-wlm munge slurmdbd mariadb-server libibverbs1 ibverbs-providers
+# npm for the pinned Claude Code and Qwen Code; chromium (headless) for the trajectory viewer's page tests.
+TEST_DEBS := bubblewrap python3-pytest slurm-wlm munge slurmdbd mariadb-server libibverbs1 ibverbs-providers chromium
 NPM_DEBS  := $(if $(shell command -v npm),,nodejs npm)
 
 .PHONY: venv system-packages claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean

@@ -89,7 +89,7 @@ $(LITELLM_STAMP):
 run: venv claude-code
 	$(BIN)/gyre $(ARGS)
 
-test: venv system-packages claude-code mini-swe-agent qwen-code
+test: system-packages venv claude-code mini-swe-agent qwen-code
 	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
 
 bench: venv litellm

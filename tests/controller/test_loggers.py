@@ -24,10 +24,12 @@ PROGRESS = {"t": 7.9, "queued": 5, "running": 3, "version": 2, "phases": {0: "tr
             "versions": {0: 2, 1: 2, 2: 1}}
 
 
-def test_default_is_tensorboard_and_prometheus_and_any_set_can_be_chosen():
+def test_default_is_tensorboard_and_any_set_can_be_chosen():
     c = load()
-    assert c.logger.tensorboard is not None and c.logger.prometheus is not None and c.logger.wandb is None
-    assert c.logger.prometheus.host == "127.0.0.1"  # loopback unless told otherwise
+    assert c.logger.tensorboard is not None and c.logger.prometheus is None and c.logger.wandb is None
+    assert load("cluster=slurm").logger.prometheus is None  # no open port on a shared node unless asked
+    c = load("logger=[tensorboard,prometheus]")
+    assert c.logger.prometheus is not None and c.logger.prometheus.host == "127.0.0.1"  # loopback unless told
     c = load("logger=[tensorboard,wandb]", "logger.wandb.project=p")
     assert c.logger.wandb is not None and c.logger.wandb.project == "p" and c.logger.prometheus is None
     c = load("logger=[]")

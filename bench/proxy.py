@@ -72,7 +72,7 @@ import psutil
 import zmq
 
 from controller import wire
-from harness_proxy.auth import mint_token
+from harness_proxy.auth import mint_token, write_secret
 from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,6 +328,11 @@ class Processes:
     proxy: tuple[subprocess.Popen[bytes], bytes] | None = None
     """The proxy process and its identity on ``router`` (this process plays its controller)."""
 
+    def secret_file(self, secret: bytes) -> Path:
+        path = self.tmp / "proxy.secret"
+        write_secret(path, secret)
+        return path
+
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
@@ -358,7 +363,7 @@ class Processes:
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         proc = self.spawn("proxy", [sys.executable, *prefix, "-m", "harness_proxy.main", "--config-json", str(config),
                                     "--controller", controller, "--processor", records_addr,
-                                    "--secret-hex", secret.hex(), "--ready-file", str(ready)])
+                                    "--secret-file", str(self.secret_file(secret)), "--ready-file", str(ready)])
         url = wait_ready_file(ready, proc, "the proxy")
         if not router.poll(int(START_TIMEOUT_S * 1000)):
             raise RuntimeError("the proxy sent no Hello")

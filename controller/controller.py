@@ -34,6 +34,7 @@ from controller.slurm_launch import SlurmCells, resolve_host
 from controller.step_stats import StepFigures
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
+from harness_proxy.auth import write_secret
 from workloads.parts import build_parts
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class Controller:
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
-            ["--processor", proc_ready["records_addr"], "--secret-hex", self.secret.hex(),
+            ["--processor", proc_ready["records_addr"], "--secret-file", str(self.secret_file()),
              "--unix-socket", str(self.proxy_socket_path())],
         )
         self.proxy_url = proxy_ready["url"]
@@ -200,6 +201,13 @@ class Controller:
                                     "--ready-file", str(ready), *extra], self.log_dir)
         self.children[name] = proc
         return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
+
+    def secret_file(self) -> Path:
+        """The token secret for the proxy, in a 0600 file of the run folder: a command line is
+        readable by every local user through /proc."""
+        path = self.run_dir / "proxy.secret"
+        write_secret(path, self.secret)
+        return path
 
     def proxy_socket_path(self) -> Path:
         """Where the proxy also listens for the sandboxes' relays: the run folder when its path fits

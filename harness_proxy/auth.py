@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 TOKEN_PREFIX = "gyre"
@@ -68,3 +70,23 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def write_secret(path: Path, secret: bytes) -> None:
+    """The secret as hex in a new file only this user can read: never on a command line, where
+    every local user reads it from /proc/<pid>/cmdline."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex())
+
+
+def read_secret(path: Path) -> bytes:
+    """The secret ``write_secret`` left; ValueError if the file is readable by others or not a secret."""
+    st = os.stat(path)
+    if st.st_mode & 0o077:
+        raise ValueError(f"{path}: mode {oct(st.st_mode & 0o777)}, want 0600 (a secret other users can read)")
+    secret = bytes.fromhex(path.read_text().strip())
+    if len(secret) < 16:
+        raise ValueError(f"{path}: want at least 16 bytes of secret, hex")
+    return secret

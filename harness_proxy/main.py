@@ -1,5 +1,5 @@
 """The proxy process: ``python -m harness_proxy.main --config-json F --controller ADDR --processor ADDR
---secret-hex HEX --ready-file F [--unix-socket PATH]``.
+--secret-file F --ready-file F [--unix-socket PATH]``.
 
 - ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", ...}}``.
 - ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
@@ -7,7 +7,8 @@
   answered with ``ErrorReply``; the process keeps running.
 - ``--processor``: a ZMQ PULL; the proxy PUSHes one ``CallRecord`` per successful call and, on a
   seal, ``ExecutionSealed`` after that execution's records (same socket, so the order holds).
-- ``--secret-hex``: the HMAC secret of the per-execution bearer tokens (``harness_proxy.auth``).
+- ``--secret-file``: a 0600 file holding the HMAC secret of the per-execution bearer tokens, hex
+  (``harness_proxy.auth.write_secret``); a file, not the value, so ``/proc/<pid>/cmdline`` shows no secret.
 - ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening,
   with ``"unix_socket": PATH`` added when it also listens there.
 - ``--unix-socket``: the same HTTP app also on this Unix socket (the relay inside each bwrap sandbox
@@ -40,6 +41,7 @@ from aiohttp import web
 from controller import wire
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
+from harness_proxy.auth import read_secret
 from harness_proxy.config import ProxyConfig
 from harness_proxy.server import ProxyServer, ZmqRecordSink
 from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
@@ -54,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config-json", required=True, type=Path)
     p.add_argument("--controller", required=True, help="controller ROUTER address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--processor", required=True, help="trajectory processor PULL address for CallRecords")
-    p.add_argument("--secret-hex", required=True, help="HMAC secret of the execution tokens, hex")
+    p.add_argument("--secret-file", required=True, type=Path,
+                   help="0600 file with the HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
     p.add_argument("--unix-socket", type=Path, default=None,
                    help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
@@ -187,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()  # a controller that died without stopping us
     try:
         cfg, tok = load_config(args.config_json)
-        secret = bytes.fromhex(args.secret_hex)
-        if not secret:
-            raise ValueError("--secret-hex: empty")
+        secret = read_secret(args.secret_file)
     except (ConfigError, OSError, ValueError) as exc:  # JSON and hex errors are ValueErrors
         log.error("proxy failed to start: %s", exc)
         return 2

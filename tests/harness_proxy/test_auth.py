@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness_proxy.auth import bearer_token, mint_token, verify_token
+from harness_proxy.auth import bearer_token, mint_token, read_secret, verify_token, write_secret
 
 SECRET = b"k" * 32
 
@@ -64,3 +64,18 @@ def test_bearer_header_parsing():
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer ") is None
     assert bearer_token(None) is None
+
+
+def test_the_secret_file_is_private_and_checked(tmp_path):
+    path = tmp_path / "proxy.secret"
+    secret = bytes(range(32))
+    write_secret(path, secret)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert read_secret(path) == secret
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="want 0600"):
+        read_secret(path)
+    path.chmod(0o600)
+    path.write_text("abcd")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        read_secret(path)

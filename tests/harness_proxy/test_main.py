@@ -15,10 +15,16 @@ import pytest
 import zmq
 
 from controller import wire
-from harness_proxy.auth import mint_token
+from harness_proxy.auth import mint_token, write_secret
 from tests.harness_proxy import PROXY_CONFIG, SECRET, LoopThread, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "proxy.secret"
+    write_secret(path, SECRET)
+    return path
 
 
 def _spawn(tmp_path: Path, config: dict, controller: str, processor: str) -> subprocess.Popen:
@@ -26,7 +32,7 @@ def _spawn(tmp_path: Path, config: dict, controller: str, processor: str) -> sub
     cfg.write_text(json.dumps(config))
     return subprocess.Popen(
         [sys.executable, "-m", "harness_proxy.main", "--config-json", str(cfg), "--controller", controller,
-         "--processor", processor, "--secret-hex", SECRET.hex(), "--ready-file", str(tmp_path / "proxy.ready")],
+         "--processor", processor, "--secret-file", str(secret_file(tmp_path)), "--ready-file", str(tmp_path / "proxy.ready")],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
 
@@ -136,7 +142,7 @@ def test_unix_socket_serves_the_same_app(tmp_path, sockets):
     cfg = tmp_path / "proxy.json"
     cfg.write_text(json.dumps({"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}}))
     argv = [sys.executable, "-m", "harness_proxy.main", "--config-json", str(cfg), "--controller", controller,
-            "--processor", processor, "--secret-hex", SECRET.hex(), "--ready-file", str(tmp_path / "proxy.ready")]
+            "--processor", processor, "--secret-file", str(secret_file(tmp_path)), "--ready-file", str(tmp_path / "proxy.ready")]
     proc = subprocess.Popen([*argv, "--unix-socket", str(sock_path)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

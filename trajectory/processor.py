@@ -14,7 +14,11 @@ Three layers, each testable alone:
 
 Grading rules. An execution is *usable* when its outcome is ``finished`` or ``timed_out`` and its
 reward is not None (the controller grades timed-out runs from their workspace). ``crashed`` and
-grader failures (reward None) are excluded and counted, never a reward of 0. ``Grade.train`` False
+grader failures (reward None) are excluded and counted, never a reward of 0. So is a *cut*
+execution: sealed with fewer calls received than the proxy recorded, or with a record the tree
+refused. Its reward belongs to the whole run, but only part of the run's tokens would be trained,
+so the credit would land on the wrong tokens; it is excluded from training and from its group's
+statistics, like a grader failure. ``Grade.train`` False
 marks an eval execution: its records are discarded and it joins no group. A group is complete
 when each of its ``group_size`` members has a Grade and an ExecutionSealed (they come on
 different sockets, in any order). With fewer than ``min_usable`` usable executions it is dropped
@@ -100,7 +104,9 @@ class Counters:
     num_rejected: int = 0
     num_duplicate_grades: int = 0
     num_incomplete_executions: int = 0
-    """Sealed with fewer distinct calls received than ``ExecutionSealed.num_calls`` says."""
+    """Sealed with fewer distinct calls received than ``ExecutionSealed.num_calls`` says, or with a
+    record the tree refused: excluded from training (``num_excluded_cut`` counts those in groups)."""
+    num_excluded_cut: int = 0
     num_excluded_crashed: int = 0
     num_excluded_grade_failed: int = 0
     num_empty_executions: int = 0
@@ -174,6 +180,8 @@ class _Execution:
     grade: Grade | None = None
     sealed: ExecutionSealed | None = None
     facts: _Facts = field(default_factory=_Facts)
+    num_refused: int = 0
+    """Records the tree refused: the execution is cut."""
 
 
 @dataclass
@@ -204,6 +212,8 @@ class Processor:
         self._sent_before: set[str] = set()
         self._released_before: set[str] = set()
         self._facts: list[ExecutionFacts] = []
+        self._cut: set[str] = set()
+        """Train executions sealed cut (see the module docstring), until their group completes."""
 
     # ------------------------------------------------------------------ inputs
 
@@ -233,6 +243,7 @@ class Processor:
             inserted = ex.tree.insert(record)
         except ValueError as exc:
             self.counters.num_rejected += 1
+            ex.num_refused += 1
             log.warning("call_record rejected: %s (execution %s, call %s)", exc, record.execution_id, record.call_id)
             return []
         ex.call_ids.add(record.call_id)
@@ -253,11 +264,13 @@ class Processor:
             return []
         ex.sealed = sealed
         self._note_facts(sealed.execution_id)
-        if len(ex.call_ids) < sealed.num_calls:
+        if len(ex.call_ids) < sealed.num_calls or ex.num_refused:
             self.counters.num_incomplete_executions += 1
+            if ex.grade is None or ex.grade.train:
+                self._cut.add(sealed.execution_id)
             log.warning(
-                "execution %s sealed with %d of %d calls received; training on what arrived",
-                sealed.execution_id, len(ex.call_ids), sealed.num_calls,
+                "execution %s sealed with %d of %d calls received and %d refused: cut, excluded from training",
+                sealed.execution_id, len(ex.call_ids), sealed.num_calls, ex.num_refused,
             )
         if ex.grade is None:
             return []
@@ -279,6 +292,7 @@ class Processor:
                 return []
             return [self._reject_grade(grade, "execution already has a different grade")]
         if not grade.train:
+            self._cut.discard(eid)  # eval runs are scored, never trained
             ex = self._execution(eid)
             ex.grade, ex.tree = grade, None
             self.counters.num_eval_executions += 1
@@ -343,12 +357,15 @@ class Processor:
 
     def _assemble(self, group: _Group) -> list[Message]:
         grades = sorted(group.members.values(), key=lambda g: g.execution_id)
-        usable = [g for g in grades if _usable(g)]
+        usable = [g for g in grades if self._trainable(g)]
         for g in grades:
             if g.outcome == "crashed":
                 self.counters.num_excluded_crashed += 1
             elif g.reward is None:
                 self.counters.num_excluded_grade_failed += 1
+            elif g.execution_id in self._cut:
+                self.counters.num_excluded_cut += 1
+            self._cut.discard(g.execution_id)
         rewards = [g.reward for g in usable if g.reward is not None]
         mean_reward = math.fsum(rewards) / len(rewards) if rewards else None
         if len(usable) < max(self.min_usable, 1):
@@ -409,7 +426,7 @@ class Processor:
         if not self.run_release or ex.grade is None or ex.sealed is None:
             return []
         grade = ex.grade
-        if not _usable(grade):  # counted when its group completes
+        if not self._trainable(grade):  # counted when its group completes
             self._forget_execution(execution_id)
             return []
         if execution_id in self._released_before:
@@ -425,6 +442,9 @@ class Processor:
         self.counters.num_executions_released += 1
         self._count_shards(shards)
         return [ShardReady(shard=s) for s in shards]
+
+    def _trainable(self, grade: Grade) -> bool:
+        return _usable(grade) and grade.execution_id not in self._cut
 
     def _count_shards(self, shards: list[Shard]) -> None:
         self.counters.num_shards += len(shards)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -260,3 +261,29 @@ def test_every_interleaving_of_two_executions_gives_the_same_messages() -> None:
     reference = feed(processor(), records + seals + grades)
     for perm in itertools.permutations(grades + seals[1:]):
         assert feed(processor(), records + seals[:1] + list(perm)) == reference
+
+
+@pytest.mark.parametrize("release", ["group", "run"])
+def test_a_cut_execution_is_excluded_not_trained_with_the_whole_runs_reward(release: str) -> None:
+    records, seals, grades = group_messages("g", [1.0, 0.5, 0.0])
+    # e0 lost its last record on the way (the proxy recorded 2 calls; 1 arrived)
+    records = [r for r in records if r.call_id != "g-e0/c1"]
+    p = Processor(algo=dataclasses.replace(algo(), release=release), min_usable=2, max_trajectories=5)
+    out = feed(p, records + seals + grades)
+    trained = {s.execution_id for sh in shards_of(out) for s in sh.sequences}
+    assert "g-e0" not in trained and trained == {"g-e1", "g-e2"}
+    done = out[-1]
+    assert isinstance(done, GroupDone) and done.num_usable == 2 and done.mean_reward == pytest.approx(0.25)
+    assert (p.counters.num_incomplete_executions, p.counters.num_excluded_cut) == (1, 1)
+
+
+def test_a_record_the_tree_refuses_cuts_its_execution() -> None:
+    records, seals, grades = group_messages("g", [1.0, 0.5, 0.0])
+    # a token id past 2**31 - 1 (a corrupt record the wire types let through): the tree refuses it
+    records = [dataclasses.replace(r, output_ids=[2**40] * len(r.output_ids)) if r.call_id == "g-e1/c1" else r
+               for r in records]
+    p = processor(min_usable=2)
+    out = feed(p, records + seals + grades)
+    trained = {s.execution_id for sh in shards_of(out) for s in sh.sequences}
+    assert p.counters.num_rejected == 1
+    assert trained == {"g-e0", "g-e2"} and p.counters.num_excluded_cut == 1

@@ -140,6 +140,7 @@ def test_crashed_and_failed_executions_send_nothing_and_a_thin_group_is_dropped(
 def test_an_execution_without_targets_sends_nothing_but_counts_in_its_group() -> None:
     records, seals, grades = group_messages("g", [1.0, 0.0])
     p = run_processor()
+    seals[1] = dataclasses.replace(seals[1], num_calls=0)  # e1 made no call (a cut run would be excluded)
     out = feed(p, [r for r in records if r.execution_id == "g-e0"] + seals + grades)
     assert executions_of(out) == ["g-e0"]
     assert group_done(out).num_usable == 2 and p.counters.num_empty_executions == 1

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import wire
+from controller import curve, wire
 from harness_proxy import anthropic_api
 from harness_proxy.auth import bearer_token, verify_token
 from harness_proxy.config import ProxyConfig
@@ -78,6 +78,7 @@ class ZmqRecordSink:
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, RECORD_SNDHWM)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
+        curve.client(self._sock, "processor")  # no-op unless this process installed the run's keys
         self._sock.connect(addr)
         self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None

@@ -22,6 +22,7 @@ import zmq
 
 from cellrunner.spmd import Agree
 from cellrunner.transfer import recv_grads, send_grads
+from controller import curve
 from controller.wire import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class GradInbox:
         self.rank = rank
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.server(self._sock)
         self._sock.bind(f"tcp://{host}:0")
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pending: dict[int, dict[int, np.ndarray]] = {}
@@ -46,9 +48,15 @@ class GradInbox:
         """Take every frame waiting (after up to ``timeout_ms`` for the first)."""
         while self._sock.poll(timeout_ms):
             timeout_ms = 0
-            parts = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart(copy=False)
+            sender = curve.sender(frames[0])
+            parts = [f.bytes for f in frames]
             try:
                 header, grads = recv_grads(parts)
+                if sender is not None and sender != f"cell-{header.cell_id}":
+                    # Only the cell itself may hand in its gradient: the first frame per (step,
+                    # cell) is kept, so a frame in its name from anyone else would replace it.
+                    raise ProtocolError(f"grads: {sender} sent a gradient in cell {header.cell_id}'s name")
                 if header.rank != self.rank:
                     raise ProtocolError(f"grads: from rank {header.rank} of cell {header.cell_id}, this is rank {self.rank}")
                 if header.cell_id in self.pending.get(header.step, {}):
@@ -102,6 +110,7 @@ def send_to_peer(ctx: zmq.Context, addr: str, *, cell_id: int, step: int, rank: 
     the linger ran out: a core that is gone then counts it missing)."""
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+    curve.client(push, "core")
     push.connect(addr)
     try:
         send_grads(push, cell_id=cell_id, step=step, rank=rank, grads=grads)

@@ -42,7 +42,7 @@ from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
-from controller import wire
+from controller import curve, wire
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
@@ -61,6 +61,7 @@ class CellRunner:
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.IDENTITY, f"cell-{cell_id}".encode())
         self.ctl.setsockopt(zmq.LINGER, 1000)
+        curve.client(self.ctl, "controller")
         self.ctl.connect(controller_addr)
         tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
         self.vocab_size = tok.vocab_size
@@ -310,6 +311,7 @@ class CellRunner:
         if self.weight_puller is not None:
             self.weight_puller.close()
         self.ctl.close(linger=500)
+        curve.stop()
 
 
 def main() -> None:
@@ -317,6 +319,7 @@ def main() -> None:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--cell-id", type=int, required=True)
     ap.add_argument("--controller", required=True)
+    ap.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
     args = ap.parse_args()
     with open(args.config_json) as f:
         cfg = build(CellRunnerConfig, json.load(f))
@@ -325,7 +328,8 @@ def main() -> None:
     try:
         ranks = ranks_from_env(os.environ)
         check_ranks(cfg, ranks)
-    except ValueError as exc:
+        curve.install(args.curve_keys, f"cell-{args.cell_id}", core=f"cell-{cfg.core_cell}")
+    except (ValueError, curve.CurveError) as exc:
         log.error("cell %d: %s", args.cell_id, exc)
         raise SystemExit(2) from None
     exit_with_parent()  # a controller that died without stopping us

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from cellrunner.model import FlatWeights
+from controller import curve
 from controller.wire import (
     ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsHeader, decode, encode,
 )
@@ -55,6 +56,7 @@ class WeightServer:
         self._ctx = ctx
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.server(self._sock)
         self._sock.bind(bind_addr)
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._weights: FlatWeights | None = None
@@ -106,6 +108,7 @@ def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        curve.client(sock, "core")  # weights are served by the core only
         sock.connect(addr)
         sock.send(encode(PullWeights(min_version=min_version)))
         if not sock.poll(int(timeout_s * 1000)):

@@ -40,6 +40,7 @@ import zmq
 from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights
 from cellrunner.transfer import TransferError
+from controller import curve
 from controller.wire import (
     CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec, WeightsOffer, decode,
     encode,
@@ -184,6 +185,7 @@ class MooncakeWeightPublisher:
         self._engine, self.session_id = start_engine(host, protocol, device_name)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        curve.server(self._sock)
         self._sock.bind(bind_addr)
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._slots: list[_Slot] = []
@@ -304,6 +306,7 @@ class MooncakeWeightPuller:
         deadline = time.monotonic() + timeout_s
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        curve.client(sock, "core")  # weights are served by the core only
         sock.connect(addr)
         try:
             for _ in range(self._max_torn_retries + 1):

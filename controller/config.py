@@ -50,6 +50,11 @@ class ClusterConfig:
     host: str
     """Address every process binds to; ``auto`` (slurm): each process's own node address."""
     controller_port: int
+    curve: bool
+    """CURVE on every ZeroMQ socket between the run's processes (controller.curve)."""
+    curve_keys: str
+    """'' for fresh keys per run attempt in ``runs/<id>/keys/``; else a folder made once with
+    ``python -m controller.curve DIR --cells N``."""
     torch_threads: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float

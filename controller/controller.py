@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from controller import wire
+from controller import curve, wire
 from controller.cells import Cell, CellRegistry
 from controller.checkpoints import Checkpoint, latest_checkpoint
 from controller.config import GyreConfig
@@ -83,9 +83,12 @@ class Controller:
             else LocalCells(cfg.cluster.ranks_per_node, cfg.cluster.dist_port, cfg.cluster.host))
         self.host = resolve_host(cfg.cluster.host)
         self.ctx = zmq.Context.instance()
+        self.keys_dir = self.make_keys(run_dir)
+        curve.install(self.keys_dir, "controller")
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        curve.server(self.sock)
         self.sock.bind(f"tcp://{self.host}:{cfg.cluster.controller_port}")
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cells = CellRegistry(cfg.cluster.num_cells, cfg.cluster.core_cell)
@@ -119,6 +122,7 @@ class Controller:
         self.num_bad_frames = 0
         self.num_groups_dropped = 0
         self.identities: dict[str, bytes] = {}
+        self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
         self.t0 = time.monotonic()
         self.next_progress = 0.0
 
@@ -129,13 +133,14 @@ class Controller:
         proc_ready = self._start_child(
             "processor", "trajectory.main",
             {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.attempt_dir("processor"))],
+            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.attempt_dir("processor")),
+             *self.curve_args()],
         )
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
             ["--processor", proc_ready["records_addr"], "--secret-file", str(self.secret_file()),
-             "--unix-socket", str(self.proxy_socket_path())],
+             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args()],
         )
         self.proxy_url = proxy_ready["url"]
         unix_socket = proxy_ready.get("unix_socket")
@@ -150,7 +155,8 @@ class Controller:
         cfg_path = self._write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(
-                cell.cell_id, ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr],
+                cell.cell_id, ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr,
+                               *self.curve_args()],
                 self.log_dir)
         deadline = time.monotonic() + c.cluster.start_timeout_s
         # Grades and routing tables go to peers by name: wait for every Hello, not just the cells.
@@ -165,8 +171,10 @@ class Controller:
         self.resume_from_core()
         self.push_routing()
         # Where everything listens, for operators and tests (the processor's address is in its ready file).
+        core = self.cells.cells[c.cluster.core_cell]
         self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
-                                            "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()}})
+                                            "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()},
+                                            "core_weights": core.weights_addr, "core_grads": core.grads_addrs})
         self.stage = "eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train"
         if self.stage == "eval_start":
             self.start_eval("start")
@@ -201,6 +209,22 @@ class Controller:
                                     "--ready-file", str(ready), *extra], self.log_dir)
         self.children[name] = proc
         return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
+
+    def make_keys(self, run_dir: Path) -> Path | None:
+        """The run's CURVE keys: a site folder, or fresh ones for this attempt in the run folder
+        (an earlier attempt's processes must not get in). None with ``cluster.curve`` off."""
+        c = self.cfg.cluster
+        if not c.curve:
+            log.warning("cluster.curve=false: the run's ZeroMQ sockets admit anyone who can reach them")
+            return None
+        if c.curve_keys:
+            return Path(c.curve_keys)
+        folder = run_dir / "keys"
+        curve.create_keys(folder, curve.member_names(c.num_cells))
+        return folder
+
+    def curve_args(self) -> list[str]:
+        return ["--curve-keys", str(self.keys_dir)] if self.keys_dir else []
 
     def secret_file(self) -> Path:
         """The token secret for the proxy, in a 0600 file of the run folder: a command line is
@@ -240,6 +264,7 @@ class Controller:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.metrics.close()
         self.sock.close(0)
+        curve.stop()
 
     # ================================================================ the loop
 
@@ -268,18 +293,24 @@ class Controller:
             return
         while True:
             try:
-                ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)[:2]
+                ident, body = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)[:2]
             except zmq.Again:
                 return
             except ValueError:
                 self.num_bad_frames += 1
                 log.error("control socket: a frame without identity and body; ignored")
                 continue
-            self.on_frame(ident, frame)
+            self.on_frame(ident.bytes, body.bytes, curve.sender(body))
 
     # ================================================================ messages in
 
-    def on_frame(self, ident: bytes, frame: bytes) -> None:
+    def on_frame(self, ident: bytes, frame: bytes, sender: str | None = None) -> None:
+        """``sender``: the run member CURVE authenticated for the connection (None with CURVE off)."""
+        if sender is not None and self.ident_names.get(ident, sender) != sender:
+            self.num_bad_frames += 1
+            log.error("control socket: %r is %s's connection, but %s sent on it; ignored", ident,
+                      self.ident_names[ident], sender)
+            return
         try:
             msg = wire.decode(frame)
         except wire.ProtocolError as exc:
@@ -300,14 +331,28 @@ class Controller:
             log.error("control socket: %s from %r is not a message for the controller", msg.TAG, ident)
             self.send_raw(ident, wire.ErrorReply(where="controller", message=f"unexpected {msg.TAG}"))
             return
-        handler(ident, msg)
+        if isinstance(msg, wire.Hello):
+            self.on_hello(ident, msg, sender)
+        else:
+            handler(ident, msg)
 
-    def on_hello(self, ident: bytes, msg: wire.Hello) -> None:
+    def on_hello(self, ident: bytes, msg: wire.Hello, sender: str | None = None) -> None:
         name = msg.peer if msg.peer != "cell" else f"cell-{msg.cell_id}"
         if msg.peer == "cell" and msg.cell_id not in self.cells.cells:
             self.send_raw(ident, wire.ErrorReply(where="controller", message=f"no cell {msg.cell_id}"))
             return
+        if sender is not None and sender != name:
+            # A member may speak only as itself: without this, any process that can send a Hello
+            # would take over the identity `processor`, `proxy` or `cell-N` and get its messages.
+            self.num_bad_frames += 1
+            log.error("control socket: %s said Hello as %s; refused", sender, name)
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=f"you are not {name}"))
+            return
+        old = self.identities.get(name)
+        if old is not None:
+            self.ident_names.pop(old, None)
         self.identities[name] = ident
+        self.ident_names[ident] = name
 
     def _cell(self, ident: bytes, cell_id: int) -> Cell | None:
         cell = self.cells.cells.get(cell_id)

@@ -19,6 +19,7 @@ by hand, and ``cluster.curve=false``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -48,8 +49,12 @@ class RunKeys:
     secret: bytes
     peers: dict[str, bytes]
     """Every member's public key (z85) by name."""
+    core: str = ""
+    """The core cell's name, for ``public_of("core")``: the weight and gradient servers are its."""
 
     def public_of(self, name: str) -> bytes:
+        if name == "core" and self.core:
+            name = self.core
         try:
             return self.peers[name]
         except KeyError:
@@ -112,10 +117,10 @@ _auth: dict[int, ThreadAuthenticator] = {}
 _lock = threading.Lock()
 
 
-def install(folder: str | Path | None, name: str) -> RunKeys | None:
+def install(folder: str | Path | None, name: str, *, core: str = "") -> RunKeys | None:
     """Load this process's keys (None, plain sockets, when ``folder`` is empty)."""
     global _keys
-    _keys = load_keys(Path(folder), name) if folder else None
+    _keys = dataclasses.replace(load_keys(Path(folder), name), core=core) if folder else None
     return _keys
 
 

@@ -1,5 +1,5 @@
 """The proxy process: ``python -m harness_proxy.main --config-json F --controller ADDR --processor ADDR
---secret-file F --ready-file F [--unix-socket PATH]``.
+--secret-file F --ready-file F [--unix-socket PATH] [--curve-keys DIR]``.
 
 - ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", ...}}``.
 - ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
@@ -38,7 +38,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import wire
+from controller import curve, wire
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from harness_proxy.auth import read_secret
@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret-file", required=True, type=Path,
                    help="0600 file with the HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
+    p.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
     p.add_argument("--unix-socket", type=Path, default=None,
                    help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
@@ -147,6 +148,7 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, se
     server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink)
     control = ctx.socket(zmq.DEALER)
     control.setsockopt(zmq.LINGER, 1000)
+    curve.client(control, "controller")
     control.connect(args.controller)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, tok = load_config(args.config_json)
         secret = read_secret(args.secret_file)
-    except (ConfigError, OSError, ValueError) as exc:  # JSON and hex errors are ValueErrors
+        curve.install(args.curve_keys, "proxy")
+    except (ConfigError, OSError, ValueError, curve.CurveError) as exc:  # JSON and hex errors are ValueErrors
         log.error("proxy failed to start: %s", exc)
         return 2
     return asyncio.run(run(args, cfg, tok, secret))

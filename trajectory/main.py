@@ -1,7 +1,7 @@
 """Entrypoint of the trajectory processor process.
 
     python -m trajectory.main --config-json CONFIG --controller tcp://HOST:PORT \\
-        --bind-records tcp://127.0.0.1:0 --log-dir DIR --ready-file PATH [--no-fsync]
+        --bind-records tcp://127.0.0.1:0 --log-dir DIR --ready-file PATH [--no-fsync] [--curve-keys DIR]
 
 CONFIG is JSON ``{"algo": {AlgoConfig fields}, "workload": {"min_usable_per_group": int}}``, built strictly (unknown or missing keys are errors). Once the records
 socket is bound, ``{"records_addr": "tcp://127.0.0.1:PORT"}`` is written to the ready file
@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from controller import curve
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from trajectory.config import AlgoConfig
@@ -72,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--no-fsync", action="store_true", help="flush the log but skip os.fsync")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    parser.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
         config = load_config(args.config_json)
-    except (ConfigError, ValueError, OSError) as exc:
+        curve.install(args.curve_keys, "processor")
+    except (ConfigError, ValueError, OSError, curve.CurveError) as exc:
         log.error("bad config %s: %s", args.config_json, exc)
         return 2
 

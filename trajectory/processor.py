@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, fields
 
 import zmq
 
+from controller import curve
 from controller.wire import (
     CallRecord,
     ErrorReply,
@@ -666,9 +667,11 @@ def serve(
     dealer = ctx.socket(zmq.DEALER)
     try:
         pull.setsockopt(zmq.LINGER, 0)
+        curve.server(pull)  # only the run's members (the proxy) get records in
         pull.bind(records_addr)
         bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)
         dealer.setsockopt(zmq.LINGER, 2000)
+        curve.client(dealer, "controller")
         dealer.connect(controller_addr)
         dealer.send(encode(Hello(peer="processor", pid=os.getpid())))
         _send(dealer, service, owed)
@@ -688,6 +691,7 @@ def serve(
         log.info("processor stopping: %s", service.counters.metrics())
         pull.close()
         dealer.close()
+        curve.stop()  # its ZAP handler lives in this context: stopped before the context ends
         ctx.term()
         service.log.close()
 

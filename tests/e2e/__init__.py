@@ -85,3 +85,20 @@ def call_records(run_dir: Path) -> list:
         if isinstance(msg, wire.CallRecord):
             out.append(msg)
     return out
+
+
+def member_socket(ctx, run_dir: Path, name: str, kind: int, server: str):
+    """A ZeroMQ socket holding run member ``name``'s CURVE key (from the run's keys folder), ready
+    to connect to member ``server``: what a process of the run may do, for tests that misbehave
+    as one."""
+    import zmq
+
+    from controller import curve
+
+    keys = curve.load_keys(run_dir / "keys", name)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public_of(server))
+    return sock

@@ -27,7 +27,7 @@ from cellrunner.model import build_model, flatten_params
 from controller import wire
 from controller.typed_config import build
 from harness_proxy.tokenizer import get_tokenizer
-from tests.e2e import ROOT, call_records, run_gyre_with
+from tests.e2e import ROOT, call_records, member_socket, run_gyre_with
 
 STEPS = 3
 
@@ -41,7 +41,8 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
         return
     ep = json.loads(endpoints.read_text())
     ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
+    # a member of the run (CURVE admits nobody else; tests/e2e/test_curve.py) gone wrong
+    dealer = member_socket(ctx, run_dir, "cell-1", zmq.DEALER, "controller")
     dealer.connect(ep["controller"])
     dealer.send(b"\x93\x01\xa5bogus\x80")  # [1, "bogus", {}]: a valid msgpack frame with an unknown tag
     if dealer.poll(10_000):

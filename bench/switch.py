@@ -1,6 +1,7 @@
 """Role switches of real embedded cells: median serve -> train and train -> serve seconds.
 
-    .venv/bin/python -m bench.switch [--quick] [--cycles 10] [--cells 3] [--transfer zmq|mooncake|both] [KEY=VALUE ...]
+    .venv/bin/python -m bench.switch [--quick] [--cycles 10] [--cells 3] [--transfer zmq|mooncake|both]
+        [--curve on|off|both] [KEY=VALUE ...]
 
 This program plays the controller's part for switches only: it starts real cellrunners
 (``python -m cellrunner.main``, the same config JSON the controller writes, from ``conf/`` plus
@@ -15,7 +16,9 @@ itself. A switch's time is the ``total_s`` the cell reports in ``RoleSwitched``,
 - train -> serve: stop the trainer, pull the weights (satellites), resume the engine.
 
 With ``--transfer both`` the whole run repeats with each weight transfer and the table shows
-both; the JSON's headline is the config's ``cluster.transfer``. The last line is JSON:
+both; the JSON's headline is the config's ``cluster.transfer``. ``--curve both`` repeats it with
+CURVE off and on (``cluster.curve``, on by default: every socket authenticated and encrypted) and
+gives ``curve_cost`` (on / off, per role) in the JSON. The last line is JSON:
 ``to_train_s``, ``to_serve_s`` (medians over every cell), ``n_switches``, per-role phase medians,
 core and satellites apart, and everything per transfer under ``by_transfer``.
 
@@ -43,7 +46,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.fixtures import CONF, run_info
-from controller import wire
+from controller import curve, wire
 from controller.config import GyreConfig, build_config
 from controller.controller import cellrunner_config
 from controller.processes import log_tail, spawn, stop
@@ -64,8 +67,14 @@ class Cells:
     def __init__(self, cfg: GyreConfig, num_cells: int, work_dir: Path):
         self.log_dir = work_dir / "logs"
         self.ctx = zmq.Context.instance()
+        keys_args: list[str] = []
+        if cfg.cluster.curve:  # as the controller does: fresh member keys, this process the controller
+            curve.create_keys(work_dir / "keys", curve.member_names(num_cells))
+            curve.install(work_dir / "keys", "controller")
+            keys_args = ["--curve-keys", str(work_dir / "keys")]
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve.server(self.sock)
         self.sock.bind(f"tcp://{cfg.cluster.host}:0")
         addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         cfg_path = work_dir / "cellrunner.json"
@@ -74,7 +83,8 @@ class Cells:
         self.core = cfg.cluster.core_cell
         self.procs = {
             i: spawn(f"cell{i}", "cellrunner.main",
-                     ["--config-json", str(cfg_path), "--cell-id", str(i), "--controller", addr], self.log_dir)
+                     ["--config-json", str(cfg_path), "--cell-id", str(i), "--controller", addr, *keys_args],
+                     self.log_dir)
             for i in range(num_cells)
         }
         self.ready: dict[int, wire.CellReady] = {}
@@ -115,6 +125,8 @@ class Cells:
             time.sleep(0.1)
         stop(list(self.procs.values()))
         self.sock.close(0)
+        curve.stop()
+        curve.install(None, "")
 
 
 def run_cycles(cells: Cells, cycles: int) -> list[wire.RoleSwitched]:
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--cells", type=int, default=None, help="default 3 (2 with --quick): the core + satellites")
     ap.add_argument("--transfer", choices=["zmq", "mooncake", "both"], default=None,
                     help="default: the config's cluster.transfer")
+    ap.add_argument("--curve", choices=["on", "off", "both"], default=None, help="default: the config's cluster.curve")
     ap.add_argument("overrides", nargs="*", help="Hydra-style KEY=VALUE, as for gyre")
     args = ap.parse_args(argv)
     cycles = args.cycles or (2 if args.quick else 10)
@@ -183,18 +196,28 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     base = load_config(args.overrides)
     transfers = [base.cluster.transfer] if args.transfer is None else (
         ["zmq", "mooncake"] if args.transfer == "both" else [args.transfer])
-    by_transfer = {t: measure(load_config([*args.overrides, f"cluster.transfer={t}"]), num_cells, cycles)
-                   for t in transfers}
+    curves = {None: [base.cluster.curve], "on": [True], "off": [False], "both": [False, True]}[args.curve]
+    by_transfer = {}
+    for t in transfers:
+        for on in curves:
+            label = t if len(curves) == 1 else f"{t} curve={'on' if on else 'off'}"
+            cfg = load_config([*args.overrides, f"cluster.transfer={t}", f"cluster.curve={str(on).lower()}"])
+            by_transfer[label] = measure(cfg, num_cells, cycles)
 
     m = base.model
     print(f"\n{num_cells} cells, {cycles} cycles, model {m.name} (tokenizer {m.tokenizer}, hidden {m.hidden_size}, "
           f"{m.num_hidden_layers} layers); medians of RoleSwitched.total_s", flush=True)
-    print(f"{'transfer':<10} {'to_train_s':>10} {'to_serve_s':>10} {'sat to_train':>13} {'sat to_serve':>13} {'switches':>9}")
+    print(f"{'transfer':<20} {'to_train_s':>10} {'to_serve_s':>10} {'sat to_train':>13} {'sat to_serve':>13} {'switches':>9}")
     for t, r in by_transfer.items():
-        print(f"{t:<10} {r['to_train_s']:>10.3f} {r['to_serve_s']:>10.3f} {r.get('to_train_s_satellites', float('nan')):>13.3f} "
+        print(f"{t:<20} {r['to_train_s']:>10.3f} {r['to_serve_s']:>10.3f} {r.get('to_train_s_satellites', float('nan')):>13.3f} "
               f"{r.get('to_serve_s_satellites', float('nan')):>13.3f} {r['n_switches']:>9}")
-    headline = by_transfer[base.cluster.transfer if base.cluster.transfer in by_transfer else transfers[0]]
+    headline = by_transfer.get(base.cluster.transfer) or next(iter(by_transfer.values()))
+    curve_cost = {}
+    if len(curves) == 2:  # CURVE on over off, per transfer and role
+        curve_cost = {f"{t} {key}": by_transfer[f"{t} curve=on"][key] / by_transfer[f"{t} curve=off"][key]
+                      for t in transfers for key in ("to_train_s", "to_serve_s")}
     result: dict[str, object] = {
+        "curve_cost": curve_cost,
         "to_train_s": headline["to_train_s"], "to_serve_s": headline["to_serve_s"],
         "n_switches": headline["n_switches"], "by_transfer": by_transfer,
         "config": {"quick": args.quick, "cycles": cycles, "cells": num_cells, "overrides": args.overrides,

@@ -11,6 +11,10 @@ from other jobs on the shared cores hits them alike:
 - ``zmq``: ``ZmqWeightPuller`` = today's ``pull_weights`` (one DEALER request, the bytes in one
   frame, copied into a fresh array), i.e. what ``transfer=zmq`` does in a cell;
 - ``zmq_nocopy``: the same request, the frame's bytes used in place (nothing after the transfer);
+- ``zmq_curve``: ``zmq`` with CURVE on, as every run has it by default (controller.curve): the core's
+  server holds cell 0's key and admits the run's members through ZAP, the satellite holds cell 1's,
+  a new connection (handshake included) per pull as in a cell; ``curve_cost`` in the JSON is its
+  median over ``zmq``'s;
 - ``zmq_stream@<chunk>``: a plain ZeroMQ transfer done well: the core sends the buffer as one
   message per chunk (zero-copy from its array), the satellite ``recv_into``s each chunk at its
   offset in one preallocated, reused array: no allocation, no copy after the socket;
@@ -63,6 +67,7 @@ from cellrunner.transfer import TransferError, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import (
     DEFAULT_CHUNK_BYTES, MooncakeWeightPublisher, MooncakeWeightPuller, RegisteredBuffer,
 )
+from controller import curve
 from controller.typed_config import build
 from controller.wire import ErrorReply, PullWeights, WeightsHeader, WeightsOffer, decode, encode
 from harness_proxy.tokenizer import get_tokenizer
@@ -119,13 +124,16 @@ def stream_server(sock: zmq.Socket, data: np.ndarray, stop: threading.Event) -> 
     sock.close(0)
 
 
-def serve_core(quick: bool) -> None:
+def serve_core(quick: bool, keys_dir: str) -> None:
     """Publish one weight version on every path, print where, serve until stdin closes."""
     weights = model_weights(model_config(quick))
     ctx = zmq.Context.instance()
     zmq_server = WeightServer(ctx, f"tcp://{HOST}:0")
     mooncake = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST)
-    for publisher in (zmq_server, mooncake):
+    curve.install(keys_dir, "cell-0", core="cell-0")  # only the next server is CURVE's
+    curve_server = WeightServer(ctx, f"tcp://{HOST}:0")
+    curve.install(None, "")
+    for publisher in (zmq_server, mooncake, curve_server):
         publisher.publish(weights)
         publisher.start()
     stream = ctx.socket(zmq.ROUTER)
@@ -134,21 +142,24 @@ def serve_core(quick: bool) -> None:
     stop = threading.Event()
     streamer = threading.Thread(target=stream_server, args=(stream, weights.data, stop), daemon=True)
     streamer.start()
-    print(json.dumps({"zmq": zmq_server.addr, "mooncake": mooncake.addr,
+    print(json.dumps({"zmq": zmq_server.addr, "mooncake": mooncake.addr, "zmq_curve": curve_server.addr,
                       "zmq_stream": stream.getsockopt_string(zmq.LAST_ENDPOINT), "bytes": weights.nbytes,
                       "num_params": int(weights.data.size), "num_tensors": len(weights.specs)}), flush=True)
     sys.stdin.read()
     stop.set()
     streamer.join(timeout=5)
     zmq_server.close()
+    curve_server.close()
     mooncake.close()
+    curve.stop()
 
 
 class CoreProcess:
-    def __init__(self, quick: bool, log_path: Path):
+    def __init__(self, quick: bool, log_path: Path, keys_dir: Path):
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.transfer", "--serve-core"] + (["--quick"] if quick else []),
+            [sys.executable, "-m", "bench.transfer", "--serve-core", "--curve-keys", str(keys_dir)]
+            + (["--quick"] if quick else []),
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )
         line = self.proc.stdout.readline()
@@ -213,8 +224,19 @@ class StreamPuller:
         self._sock.close(0)
 
 
+def with_curve(keys_dir: Path, pull: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    """``pull`` as cell 1 of a CURVE run (the satellite's sockets authenticate while it runs)."""
+    def pulled() -> np.ndarray:
+        curve.install(keys_dir, "cell-1", core="cell-0")
+        try:
+            return pull()
+        finally:
+            curve.install(None, "")
+    return pulled
+
+
 def methods(
-    ctx: zmq.Context, ready: dict, chunks: list[int], zmq_chunks: list[int],
+    ctx: zmq.Context, ready: dict, chunks: list[int], zmq_chunks: list[int], keys_dir: Path,
 ) -> tuple[dict[str, Callable[[], np.ndarray]], list]:
     zmq_puller = ZmqWeightPuller(ctx)
     mooncake = SpinOrPollPuller(ctx, host=HOST)
@@ -222,6 +244,7 @@ def methods(
     table: dict[str, Callable[[], np.ndarray]] = {
         "zmq": lambda: zmq_puller.pull(ready["zmq"], 0, TIMEOUT_S).data,
         "zmq_nocopy": lambda: pull_zmq_nocopy(ctx, ready["zmq"]),
+        "zmq_curve": with_curve(keys_dir, lambda: zmq_puller.pull(ready["zmq_curve"], 0, TIMEOUT_S).data),
     }
     for chunk in zmq_chunks:
         table[f"zmq_stream@{chunk_name(chunk)}"] = lambda chunk=chunk: stream.pull(chunk)
@@ -289,10 +312,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--chunk-mib", default="4,64", help="Mooncake read sizes to try, MiB, comma-separated")
     ap.add_argument("--zmq-chunk-mib", default="1,8", help="zmq_stream message sizes to try, MiB, comma-separated")
     ap.add_argument("--serve-core", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--curve-keys", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake's INFO lines would bury the table
     if args.serve_core:
-        serve_core(args.quick)
+        serve_core(args.quick, args.curve_keys)
         return {}
     repeats = args.repeats or (2 if args.quick else 7)
     chunks = sorted({int(float(c) * 2**20) for c in args.chunk_mib.split(",")} | {DEFAULT_CHUNK_BYTES})
@@ -300,9 +324,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     expected = model_weights(model_config(args.quick)).data.tobytes()  # same seed: the core's bytes
     ctx = zmq.Context.instance()
     with tempfile.TemporaryDirectory() as tmp:
-        core = CoreProcess(args.quick, Path(tmp) / "core.log")
+        keys_dir = Path(tmp) / "keys"
+        curve.create_keys(keys_dir, ["cell-0", "cell-1"])
+        core = CoreProcess(args.quick, Path(tmp) / "core.log", keys_dir)
         try:
-            table, pullers = methods(ctx, core.ready, chunks, zmq_chunks)
+            table, pullers = methods(ctx, core.ready, chunks, zmq_chunks, keys_dir)
             times = measure(table, expected, repeats)
             for p in pullers:
                 p.close()
@@ -311,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     nbytes = int(core.ready["bytes"])
     med = {n: median(t) for n, t in times.items()}
     rate = {n: nbytes / s / 2**30 for n, s in med.items()}
-    best_zmq = max((n for n in rate if n.startswith("zmq")), key=rate.__getitem__)
+    best_zmq = max((n for n in rate if n.startswith("zmq") and n != "zmq_curve"), key=rate.__getitem__)
     print_table(nbytes, med, best_zmq)
     default = f"mooncake@{chunk_name(DEFAULT_CHUNK_BYTES)}"
     result: dict[str, object] = {
@@ -320,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "zmq_gb_per_s": rate[best_zmq],
         "zmq_method": best_zmq,
         "fraction_of_pull_weights": rate[default] / rate["zmq"],
+        "curve_cost": med["zmq_curve"] / med["zmq"],
         "bytes": nbytes,
         "unit": "GiB/s",
         "gib_per_s": rate,

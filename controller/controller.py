@@ -278,6 +278,7 @@ class Controller:
         for ex in self.executions.poll(now):
             self.on_execution_ended(ex)
         self.check_cells(now)
+        self.check_services()
         self.plan_steps()
         self.launch_executions(now)
         self.apply_schedule(now)
@@ -595,6 +596,18 @@ class Controller:
             self.steps.on_cell_lost(cell.cell_id)
             if cell.is_core:
                 raise RunFailed(f"the core cell {cell.cell_id} {why}; it owns the weights and optimizer state")
+
+    def check_services(self) -> None:
+        """The processor and the proxy are single processes the run cannot go on without: one that
+        exits stops the run at once with the reason, never a silent hang. The run folder keeps the
+        checkpoints, so the same ``run.run_id`` resumes from the newest."""
+        for name in ("processor", "proxy"):
+            proc = self.children.get(name)
+            if proc is None or proc.poll() is None:
+                continue
+            raise RunFailed(
+                f"the {name} exited with {proc.returncode}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"
+                f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
 
     def scheduler_view(self) -> SchedulerView:
         st = self.steps.current

@@ -1,0 +1,69 @@
+"""SIGKILL the trajectory processor or the harness proxy at a random moment of a run: the run stops
+at once with the reason and how to resume (never a silent hang), and the same ``run.run_id``
+resumes from the newest checkpoint and finishes, each weight version of the final line applied once.
+
+(Restarting either in place, with nothing lost, is issue 21's next step; this is the floor.)"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e import metrics, start_gyre
+
+STEPS = 6
+
+
+def attempt(runs: Path, run_id: str) -> tuple[int, str]:
+    proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.checkpoint_every=1",
+                      "run.eval_at_end=false")
+    return proc  # type: ignore[return-value]
+
+
+def kill_at_random(run_dir: Path, module: str, rng: random.Random, deadline: float) -> str:
+    """SIGKILL the run's ``python -m <module>`` some time after training started."""
+    while time.monotonic() < deadline and not metrics(run_dir, "step"):
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))  # a step takes ~2 s here: the kill lands mid-run
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if module in cmd and any(str(run_dir) in a for a in cmd):
+            p.send_signal(signal.SIGKILL)
+            return " ".join(cmd)
+    raise AssertionError(f"no {module} process of {run_dir} found")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name,module", [("processor", "trajectory.main"), ("proxy", "harness_proxy.main")])
+def test_a_killed_service_stops_the_run_clearly_and_it_resumes(tmp_path, name, module):
+    runs, run_id = tmp_path / "runs", f"kill-{name}"
+    run_dir = runs / run_id
+    proc = attempt(runs, run_id)
+    try:
+        kill_at_random(run_dir, module, random.Random(), time.monotonic() + 300)
+        out, _ = proc.communicate(timeout=120)  # stops promptly, not at some timeout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done_first = [e["weight_version"] for e in metrics(run_dir, "step")]
+    assert len(done_first) < STEPS, "the kill landed after the last step: nothing was tested"
+    assert proc.returncode == 1, out[-3000:]
+    assert f"run failed: the {name} exited with -9" in out
+    assert f"run.run_id={run_id} to resume" in out
+
+    proc = attempt(runs, run_id)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    resumed = [e["weight_version"] for e in metrics(run_dir, "resumed")]
+    start = resumed[0] if resumed else 0
+    assert start >= 1 or not (run_dir / "checkpoints" / "v1").exists()
+    versions = [e["weight_version"] for e in metrics(run_dir, "step")]
+    # The first attempt's line up to the checkpoint, then the second's from there: once each.
+    second = versions[len(done_first):]
+    assert second == list(range(start + 1, STEPS + 1)), (done_first, second)
+    assert done_first[:start] == list(range(1, start + 1))

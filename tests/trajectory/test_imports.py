@@ -1,5 +1,5 @@
-"""The trajectory package loads no other Gyre package but the wire, typed-config and (stdlib-only)
-child-lifecycle modules."""
+"""The trajectory package loads no other Gyre package but the wire, typed-config, (stdlib-only)
+child-lifecycle and CURVE-key (zmq-only) modules."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import trajectory.log, trajectory.processor, trajectory.main
 print(json.dumps(sorted(m for m in sys.modules)))
 """
 OTHER_PACKAGES = ("cellrunner", "harness_proxy", "workloads", "bench")
-ALLOWED_CONTROLLER = {"controller", "controller.wire", "controller.typed_config", "controller.lifecycle"}
+ALLOWED_CONTROLLER = {"controller", "controller.wire", "controller.typed_config", "controller.lifecycle",
+                      "controller.curve"}
 
 
 def test_only_wire_and_typed_config_are_loaded() -> None:

@@ -162,3 +162,16 @@ def _read_entry(f: BinaryIO) -> bytes | None:
     if len(payload) < length or zlib.crc32(payload) != crc:
         return None
     return payload
+
+
+def read_entries(path: Path) -> tuple[list[bytes], int]:
+    """Every good payload of the log at ``path``, read-only, and how many bytes of torn or corrupt
+    tail follow them (``replay`` would truncate those; a reader such as the viewer must not)."""
+    payloads: list[bytes] = []
+    good_end = 0
+    with open(path, "rb") as f:
+        while (payload := _read_entry(f)) is not None:
+            payloads.append(payload)
+            good_end = f.tell()
+        f.seek(0, os.SEEK_END)
+        return payloads, f.tell() - good_end

@@ -164,14 +164,13 @@ def _read_entry(f: BinaryIO) -> bytes | None:
     return payload
 
 
-def read_entries(path: Path) -> tuple[list[bytes], int]:
-    """Every good payload of the log at ``path``, read-only, and how many bytes of torn or corrupt
-    tail follow them (``replay`` would truncate those; a reader such as the viewer must not)."""
-    payloads: list[bytes] = []
-    good_end = 0
+def read_from(path: Path, offset: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """``(start, end, payload)`` of each good entry from byte ``offset`` (an entry's start) on,
+    read-only. It stops at a torn or corrupt entry as ``replay`` does, but leaves it in the file
+    (``replay`` would truncate it; a reader such as the viewer must not change a run's files):
+    the caller compares the last ``end`` with the file's size."""
     with open(path, "rb") as f:
+        f.seek(offset)
         while (payload := _read_entry(f)) is not None:
-            payloads.append(payload)
-            good_end = f.tell()
-        f.seek(0, os.SEEK_END)
-        return payloads, f.tell() - good_end
+            end = f.tell()
+            yield end - _HEADER.size - len(payload), end, payload

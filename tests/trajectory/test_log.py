@@ -8,7 +8,7 @@ import pytest
 
 from controller.wire import decode, encode
 from tests.trajectory import grade
-from trajectory.log import AppendLog, decode_marker, encode_marker
+from trajectory.log import AppendLog, decode_marker, encode_marker, read_from
 
 
 def test_round_trip_in_order(tmp_path: Path) -> None:
@@ -73,3 +73,18 @@ def test_markers_are_told_apart_from_wire_frames() -> None:
     assert decode_marker(encode(grade("e", "g", 1.0, group_size=1))) is None
     with pytest.raises(ValueError, match="marker"):
         decode_marker(encode_marker("x")[:-1])
+
+
+def test_read_from_gives_offsets_stops_at_a_torn_tail_and_leaves_it(tmp_path: Path) -> None:
+    path = tmp_path / "p.log"
+    log = AppendLog(path, fsync=False)
+    log.append_many([b"one", b"two", b"three"])
+    log.close()
+    with open(path, "ab") as f:
+        f.write(b"\x09\x00\x00\x00torn")
+    data = path.read_bytes()
+    entries = list(read_from(path))
+    assert [p for _, _, p in entries] == [b"one", b"two", b"three"]
+    assert [(s, e) for s, e, _ in entries] == [(0, 11), (11, 22), (22, 35)]
+    assert [p for _, _, p in read_from(path, entries[1][0])] == [b"two", b"three"]  # from an entry's start
+    assert path.read_bytes() == data  # the torn tail is left for the processor's own replay

@@ -354,7 +354,7 @@ class Processes:
         controller = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
         config = self.tmp / "proxy.json"
         config.write_text(json.dumps({
-            "proxy": {"host": "127.0.0.1", "port": 0, "model_name": MODEL, "max_request_bytes": 64 * 1024 * 1024,
+            "proxy": {"host": "127.0.0.1", "port": 0, "model_name": MODEL, "max_request_bytes": 64 * 1024 * 1024, "read_timeout_s": 30.0,
                       "max_context_tokens": 262_144, "max_new_tokens_cap": 256, "truncation_ends_turn": False, "engine_timeout_s": 60.0,
                       "retry_attempts": 1, "route_wait_s": 1.0},
             "model": {"tokenizer": self.tokenizer, "compact_ranks": 1024},

@@ -45,7 +45,8 @@ ROLES = ("user", "assistant", "system")
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error",
+    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+    529: "overloaded_error",
 }
 
 

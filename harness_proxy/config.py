@@ -13,6 +13,12 @@ class ProxyConfig:
     model_name: str
     """The model id harnesses see (OpenAI `/v1/models`)."""
     max_request_bytes: int
+    """A larger body is refused 413, from its Content-Length before any of it is read, or once that
+    many bytes of a chunked one are in."""
+    read_timeout_s: float
+    """A request's head (request line and headers) must be in within this of its first byte (the
+    first request of a connection: of its opening), and its body within this of its head; else 408
+    and the connection is closed (a slow-loris holds no more than its socket meanwhile)."""
     max_context_tokens: int
     """Prompts longer than this are refused (400), never truncated."""
     max_new_tokens_cap: int

@@ -7,6 +7,14 @@ CallRecord pushed to the trajectory processor -> only then the HTTP response (pe
 acknowledge). A harness that hangs up mid-call gets its engine request aborted and a record
 with ``finish_reason="abort"`` and no output says so. ``seal`` revokes an execution and queues ``ExecutionSealed`` behind its last record.
 
+Abuse is refused in the API's own error shape, counted per kind and logged once per source
+(``harness_proxy.abuse``; counters at ``GET /stats``): a request head or body not in within
+``proxy.read_timeout_s`` (408, the connection closed), a body over ``proxy.max_request_bytes``
+(413, refused from its Content-Length before any of it is read, or once that many bytes of a
+chunked body are in), a missing or foreign token, or a sealed execution's (401: the token is not,
+or no longer, valid, as both APIs answer for a revoked key; 403 would say a valid key lacks a
+permission). Sealed executions are held in bounded memory (``auth.Revocations``).
+
 One asyncio event loop owns everything here; the control plane (``harness_proxy.main``) calls
 ``apply_routing_table`` and ``seal`` on the same loop.
 """
@@ -30,7 +38,8 @@ from aiohttp import web
 
 from controller import curve, wire
 from harness_proxy import anthropic_api
-from harness_proxy.auth import bearer_token, verify_token
+from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
+from harness_proxy.auth import Revocations, bearer_token, verify_token
 from harness_proxy.config import ProxyConfig
 from harness_proxy.openai_api import (
     ApiError, ChatRequest, completion_body, finish_reason, models_body, new_call_id, parse_chat_request,
@@ -53,6 +62,8 @@ SHUTDOWN_TIMEOUT_S = 5.0
 RECORD_SNDHWM = 100_000
 """Frames queued on the processor socket before a push waits (back-pressure, never a drop)."""
 MAX_TOKEN_ID = 2**31 - 1
+MAX_REVOKED_EXECUTIONS = 65_536
+"""Sealed executions held exactly (about 150 bytes each); past them ``auth.Revocations`` evicts by floor."""
 CALL_ID_HEADER = "x-gyre-call-id"
 EXECUTION_TOKEN_HEADER = "x-gyre-execution-token"
 
@@ -222,12 +233,24 @@ class PromptTooLong(ApiError):
         self.limit = limit
 
 
+class Refusal(ApiError):
+    """An ``ApiError`` that is abuse (``abuse.KINDS``): counted, and logged once per ``source``."""
+
+    def __init__(self, status: int, message: str, *, kind: str, source: str, code: str | None = None,
+                 close: bool = False):
+        super().__init__(status, message, code=code)
+        self.kind = kind
+        self.source = source
+        self.close = close
+        """Close the connection once the refusal is written (its request is not whole)."""
+
+
 class ProxyServer:
     """One proxy: the aiohttp app, the router, the sessions, the record sink."""
 
     def __init__(
         self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
-        session_memory_bytes: int = SESSION_MEMORY_BYTES,
+        session_memory_bytes: int = SESSION_MEMORY_BYTES, max_revoked: int = MAX_REVOKED_EXECUTIONS,
     ):
         if not secret:
             raise ValueError("secret: empty")
@@ -240,7 +263,10 @@ class ProxyServer:
         self.url = ""
         self._secret = secret
         self._executions: dict[str, _Execution] = {}
-        self._sealed: dict[str, int] = {}
+        self.revoked = Revocations(max_revoked)
+        self.abuse = AbuseLog()
+        self.guard = ConnectionGuard(read_timeout_s=cfg.read_timeout_s, abuse=self.abuse)
+        self.num_records = 0
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._background: set[asyncio.Task[Any]] = set()
         self._http: aiohttp.ClientSession | None = None
@@ -249,7 +275,7 @@ class ProxyServer:
     # ------------------------------------------------------------ lifecycle
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_request_bytes)
+        app = web.Application(client_max_size=self.cfg.max_request_bytes, middlewares=[self.guard.middleware])
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
@@ -257,13 +283,15 @@ class ProxyServer:
         app.router.add_route("HEAD", "/api/hello", self._hello)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/stats", self._stats)
         return app
 
     async def start(self) -> str:
         """Listen on cfg.host:cfg.port (0: a free port); return the base URL."""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.engine_timeout_s))
         # handler_cancellation: a harness that hangs up cancels its handler, which aborts the engine call.
-        self._runner = web.AppRunner(
+        # The guard's runner: every site (this TCP one, main's Unix socket) drops slow request heads.
+        self._runner = self.guard.runner(
             self.make_app(), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
         )
         await self._runner.setup()
@@ -286,7 +314,8 @@ class ProxyServer:
             await asyncio.wait(self._background, timeout=ABORT_TIMEOUT_S)
         if self._http is not None:
             await self._http.close()
-        log.info("proxy stopped")
+        log.info("proxy stopped: %d calls recorded; refused %s; sealed %s", self.num_records,
+                 self.abuse.snapshot(), self.revoked.stats())
 
     # ------------------------------------------------------------ control plane
 
@@ -294,7 +323,7 @@ class ProxyServer:
         return self.router.update(table)
 
     def is_sealed(self, execution_id: str) -> bool:
-        return execution_id in self._sealed
+        return self.revoked.is_sealed(execution_id)
 
     def seal(self, execution_id: str) -> int:
         """Refuse the execution's token from now on, cancel its in-flight calls (nothing recorded),
@@ -302,18 +331,18 @@ class ProxyServer:
 
         Sealing twice sends ExecutionSealed again with the same count (the controller may resend).
         """
-        if execution_id in self._sealed:
-            num_calls = self._sealed[execution_id]
+        held = self.revoked.num_calls(execution_id)
+        if held is not None:
+            num_calls = held
             log.info("execution %s sealed again (%d calls)", execution_id, num_calls)
         else:
             exe = self._executions.pop(execution_id, None) or _Execution()
-            num_calls = self._sealed[execution_id] = exe.num_calls
+            num_calls = self.revoked.revoke(execution_id, exe.num_calls, self._min_version.pop(execution_id, None))
             for task in exe.in_flight:
                 task.cancel()
             self.sessions.drop_execution(execution_id)
             self.minted.drop_execution(execution_id)
             self.router.forget(execution_id)
-            self._min_version.pop(execution_id, None)
             log.info(
                 "execution %s sealed: %d calls recorded, %d in flight cancelled",
                 execution_id, num_calls, len(exe.in_flight),
@@ -331,18 +360,27 @@ class ProxyServer:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(models_body(self.cfg.model_name))
 
+    async def _stats(self, request: web.Request) -> web.Response:
+        """The proxy's counters: refusals per kind (``abuse.KINDS``), sealed executions held, live ones."""
+        return web.json_response({
+            "refused": self.abuse.snapshot(), "sealed": self.revoked.stats(),
+            "executions_live": len(self._executions), "sessions": self.sessions.num_executions(),
+            "calls_recorded": self.num_records,
+        })
+
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         execution_id = None
         try:
             execution_id = self._authorize(request)
-            chat = parse_chat_request(await self._read_body(request))
+            chat = parse_chat_request(await self._read_body(request, execution_id))
             return await self._complete(request, execution_id, chat)
         except ApiError as err:
-            log.warning(
-                "POST /v1/chat/completions refused %d (execution %s): %s",
-                err.status, execution_id or "-", err.message,
-            )
-            return web.json_response(err.body(), status=err.status)
+            if not isinstance(err, Refusal):
+                log.warning(
+                    "POST /v1/chat/completions refused %d (execution %s): %s",
+                    err.status, execution_id or "-", err.message,
+                )
+            return await self._refuse(request, err, err.status, err.body())
         except Exception:  # a bug of ours: say so, keep serving
             log.exception("POST /v1/chat/completions failed (execution %s)", execution_id or "-")
             err = ApiError(500, "internal proxy error", type="server_error")
@@ -357,7 +395,7 @@ class ProxyServer:
         execution_id = None
         try:
             execution_id = self._authorize(request)
-            req = anthropic_api.parse_messages_request(await self._read_body(request), request.headers)
+            req = anthropic_api.parse_messages_request(await self._read_body(request, execution_id), request.headers)
             exe_id = execution_id
             # Echoed tool_use inputs back to the model's own, so a re-serialised turn still splices.
             chat = dataclasses.replace(req.chat, messages=self.minted.canonicalize(exe_id, req.chat.messages))
@@ -377,26 +415,46 @@ class ProxyServer:
             )
             return await self._respond_anthropic(request, body, stream=chat.stream)
         except ApiError as err:
-            return self._anthropic_refusal("/v1/messages", execution_id, err)
+            return await self._anthropic_refusal(request, "/v1/messages", execution_id, err)
         except Exception:  # a bug of ours: say so, keep serving
             log.exception("POST /v1/messages failed (execution %s)", execution_id or "-")
-            return self._anthropic_refusal("/v1/messages", execution_id, ApiError(500, "internal proxy error"))
+            return await self._anthropic_refusal(request, "/v1/messages", execution_id, ApiError(500, "internal proxy error"))
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """``{"input_tokens": N}``: the prompt ids a fresh render of the request would have."""
         execution_id = None
         try:
             execution_id = self._authorize(request)
-            messages, tools = anthropic_api.parse_count_tokens_request(await self._read_body(request))
+            messages, tools = anthropic_api.parse_count_tokens_request(await self._read_body(request, execution_id))
             return web.json_response({"input_tokens": len(render_messages(self.tok, messages, tools=tools))})
         except ApiError as err:
-            return self._anthropic_refusal("/v1/messages/count_tokens", execution_id, err)
+            return await self._anthropic_refusal(request, "/v1/messages/count_tokens", execution_id, err)
 
-    def _anthropic_refusal(self, path: str, execution_id: str | None, err: ApiError) -> web.Response:
+    async def _anthropic_refusal(
+        self, request: web.Request, path: str, execution_id: str | None, err: ApiError,
+    ) -> web.StreamResponse:
         too_long = (err.num_prompt, err.limit) if isinstance(err, PromptTooLong) else None
         status, body = anthropic_api.error_reply(err, too_long=too_long)
-        log.warning("POST %s refused %d (execution %s): %s", path, status, execution_id or "-", body["error"]["message"])
-        return web.json_response(body, status=status)
+        if not isinstance(err, Refusal):
+            log.warning("POST %s refused %d (execution %s): %s", path, status, execution_id or "-", body["error"]["message"])
+        return await self._refuse(request, err, status, body)
+
+    async def _refuse(self, request: web.Request, err: ApiError, status: int, body: dict[str, Any]) -> web.StreamResponse:
+        """The error response; abuse is counted (and logged once per source), and a request that is
+        not whole (its body timed out or is over the limit) gets its connection closed."""
+        resp = web.json_response(body, status=status)
+        if not isinstance(err, Refusal):
+            return resp
+        self.abuse.note(err.kind, err.source, err.message)
+        if err.close:
+            resp.force_close()  # Connection: close; aiohttp reads and drops what is left of the body
+        if err.close and err.kind == "slow_body":
+            # A trickling body is not waited for at all (aiohttp would linger on it): answer, then close.
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return resp
 
     async def _respond_anthropic(self, request: web.Request, body: dict[str, Any], *, stream: bool) -> web.StreamResponse:
         headers = {CALL_ID_HEADER: body["id"], "request-id": body["id"]}
@@ -421,25 +479,36 @@ class ProxyServer:
             or bearer_token(request.headers.get("Authorization"))
             or request.headers.get("x-api-key")
         )
+        peer = peer_of(request.transport) if request.transport is not None else "-"
         if not token:
-            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
+            raise Refusal(401, "missing bearer token (Authorization: Bearer <token>)", kind="token_missing",
+                          source=peer, code="invalid_api_key")
         claims = verify_token(self._secret, token)
-        if claims is None:
-            raise ApiError(401, "invalid bearer token", code="invalid_api_key")
+        if claims is None:  # garbage, tampered, or signed with another run's secret
+            raise Refusal(401, "invalid bearer token", kind="token_invalid", source=peer, code="invalid_api_key")
         execution_id = claims.execution_id
-        if execution_id in self._sealed:
-            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        why = self.revoked.refusal(claims, live=execution_id in self._min_version)
+        if why is not None:
+            raise Refusal(401, why, kind="token_revoked", source=execution_id, code="invalid_api_key")
         self._min_version[execution_id] = claims.min_version
         return execution_id
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request, execution_id: str) -> bytes:
+        """The whole body, within cfg.read_timeout_s and cfg.max_request_bytes (aiohttp stops reading
+        a chunked body at that size), or a Refusal (408, 413) that closes the connection."""
         limit = self.cfg.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
-            raise ApiError(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit")
+            raise Refusal(413, f"request body of {request.content_length} bytes is over the {limit}-byte limit",
+                          kind="oversize", source=execution_id, code="request_too_large", close=True)
         try:
-            return await request.read()
+            async with asyncio.timeout(self.cfg.read_timeout_s):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body is over the {limit}-byte limit") from None
+            raise Refusal(413, f"request body is over the {limit}-byte limit", kind="oversize", source=execution_id,
+                          code="request_too_large", close=True) from None
+        except TimeoutError:
+            raise Refusal(408, f"request body not received within {self.cfg.read_timeout_s:g} s", kind="slow_body",
+                          source=execution_id, code="request_timeout", close=True) from None
 
     async def _complete(self, request: web.Request, execution_id: str, chat: ChatRequest) -> web.StreamResponse:
         call, result, message = await self._run_call(
@@ -468,7 +537,7 @@ class ProxyServer:
         call, spliced = self._plan_call(
             execution_id, agent, chat, call_id=call_id, lineage=lineage, agent_id=agent_id
         )
-        if execution_id in self._sealed:  # sealed while the body was read
+        if self.revoked.is_sealed(execution_id):  # sealed while the body was read
             raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
         exe = self._executions.setdefault(execution_id, _Execution())
         started_at = time.time()
@@ -527,7 +596,7 @@ class ProxyServer:
     ) -> tuple[wire.CallRecord, asyncio.Future[None]]:
         """Queue the call's CallRecord. Synchronous, so no seal can slip between the check and the put:
         every record of an execution is queued before its ExecutionSealed."""
-        if call.execution_id in self._sealed:
+        if self.revoked.is_sealed(call.execution_id):
             raise ApiError(
                 401, f"execution {call.execution_id} was sealed during the call; not recorded", code="invalid_api_key"
             )
@@ -540,12 +609,13 @@ class ProxyServer:
         )
         record.check()
         exe.num_calls += 1
+        self.num_records += 1
         return record, self.sink.put(record)
 
     def _record_hang_up(self, exe: _Execution, call: _Call) -> None:
         """A CallRecord saying the harness hung up mid-call: the prompt, no output, finish ``abort``
         (cell -1: no engine answered). The trajectory tree counts it and adds no path."""
-        if call.execution_id in self._sealed:
+        if self.revoked.is_sealed(call.execution_id):
             return
         now = time.time()
         result = EngineResult(wire.EngineRoute(cell_id=-1, url=""), [], [], 0, "abort")

@@ -32,7 +32,7 @@ SECRET = b"test-secret-0123456789abcdef"
 TOK = get_tokenizer("qwen_compact", 4096)
 
 PROXY_CONFIG = {
-    "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536,
+    "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536, "read_timeout_s": 30.0,
     "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
     "retry_attempts": 3, "route_wait_s": 0.3,
 }

@@ -214,9 +214,14 @@ def test_megatron_cells_run_their_ranks_across_nodes(slurm_env, tmp_path):
     run_dir = run_dir_of(tmp_path / "runs")
     versions = [e["weight_version"] for e in events(run_dir, "step")]
     assert versions == list(range(1, steps + 1))
-    # colocate: the satellite turns to training every step (elastic would leave that to the
-    # load); whether it gets one of a step's 4 shards before the core takes them all is a race
-    assert any(sorted(e["trainers"]) == [0, 1] for e in events(run_dir, "step"))
+    # colocate: the satellite turns to training with the core (elastic would leave that to the
+    # load) and loads the step's version from the core. Whether it then gets one of a step's 4 shards
+    # before the core has taken them all is a race (CI once saw the core take all 12), so what is
+    # asserted is the switch; a satellite's microsteps are checked where they are deterministic
+    # (tests/cellrunner/test_megatron_trainer.py::test_core_plus_satellite_is_one_replica).
+    to_train = [e for e in events(run_dir, "switch") if e["cell"] == 1 and e["role"] == "train"]
+    assert to_train, events(run_dir, "switch")
+    assert all(set(e["trainers"]) <= {0, 1} and 0 in e["trainers"] for e in events(run_dir, "step"))
     by_name = steps_of(slurm_env, job)
     for cell, nodes in ((0, ("n1", "n2")), (1, ("n3", "n4"))):
         assert by_name[f"gyre-cell{cell}"] == (f"n[{nodes[0][1]}-{nodes[1][1]}]", "COMPLETED"), by_name

@@ -73,6 +73,17 @@ def write_canary(folder: str) -> bool:
     return True
 
 
+def write_project_canary(folder: str) -> bool | tuple[bool, str]:
+    """A write into the project escaped only if it reached the node's project. A checkout under
+    ``/tmp`` has its path inside the sandbox's private ``/tmp``, made by bwrap for this script's
+    read-only bind: a write there succeeds in the sandbox's memory and nowhere else (the test
+    also looks for the canary on the node)."""
+    write_canary(folder)
+    if not os.path.exists(os.path.join(PROJECT, "pyproject.toml")):
+        return False, "wrote only into the sandbox's private /tmp (the project is not there)"
+    return True
+
+
 def read_file(path: str) -> bool:
     with open(path, "rb") as f:
         f.read(64)
@@ -145,7 +156,7 @@ def tmp_is_the_nodes() -> tuple[bool, str]:
 def list_project() -> bool:
     """Whether the project folder shows more than the way down to this script (its read-only bind)."""
     own = os.path.relpath(os.path.abspath(__file__), PROJECT).split(os.sep)[0]
-    return bool([name for name in os.listdir(PROJECT) if name != own])
+    return bool([name for name in os.listdir(PROJECT) if name != own and not name.startswith(CANARY)])
 
 
 def tcp(host: str, port: int) -> bool:
@@ -167,7 +178,8 @@ def hostile() -> None:
     # Files outside the workspace.
     for label, folder in (("exec-dir", EXEC_DIR), ("work-dir", WORK_DIR), ("run-dir", RUN_DIR),
                           ("project", PROJECT), ("project-venv", os.path.join(PROJECT, ".venv")), ("etc", "/etc")):
-        attempt(f"write:{label}", lambda folder=folder: write_canary(folder))
+        write = write_project_canary if label.startswith("project") else write_canary
+        attempt(f"write:{label}", lambda folder=folder, write=write: write(folder))
     attempt("write:node-tmp", tmp_is_the_nodes)
 
     # Other executions: by listing, then by guessing.

@@ -684,7 +684,7 @@ def serve(
         while not stop.is_set() and not service.shutdown_requested:
             events = dict(poller.poll(poll_ms))
             if pull in events:
-                _send(dealer, service, service.on_record_frames(_drain(pull, service, "records")))
+                _send(dealer, service, service.on_record_frames(_drain(pull, service, "records", only="proxy")))
             if dealer in events:
                 _send(dealer, service, service.on_control_frames(_drain(dealer, service, "control")))
     finally:
@@ -702,15 +702,23 @@ def _send(dealer: zmq.Socket, service: ProcessorService, messages: list[Message]
         dealer.send(encode(m))
 
 
-def _drain(sock: zmq.Socket, service: ProcessorService, where: str) -> list[bytes]:
-    """Up to _DRAIN_LIMIT waiting frames (one log fsync for the batch)."""
+def _drain(sock: zmq.Socket, service: ProcessorService, where: str, *, only: str | None = None) -> list[bytes]:
+    """Up to _DRAIN_LIMIT waiting frames (one log fsync for the batch). ``only``: the member that
+    may send on this socket under CURVE (any other member's frame is refused, whatever it says)."""
     frames: list[bytes] = []
     while len(frames) < _DRAIN_LIMIT:
         try:
-            parts = sock.recv_multipart(zmq.NOBLOCK)
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             break
+        sender = curve.sender(parts[0])
+        parts = [p.bytes for p in parts]
         parts = [p for p in parts if p] if len(parts) > 1 else parts  # ROUTER peers may add b""
+        if only is not None and sender is not None and sender != only:
+            # Records and seals come from the proxy alone: another member's would be logged and
+            # trained as if the proxy had recorded them.
+            service.reject(where, f"{sender} sent on the {only}'s socket")
+            continue
         if len(parts) != 1:
             service.reject(where, f"want one frame per message, got {len(parts)} parts")
             continue

@@ -16,7 +16,8 @@ Starts the embedded default (``controller.main``, CURVE on) and, while it trains
 - ``weights``: the core's weight server (ROUTER), from cell 1's key: each frame answered, with
   an ``ErrorReply`` or, for a valid ``PullWeights``, the weights (read-only).
 - ``engine``: cell 1's engine HTTP routes (``/generate``, ``/abort_request``,
-  ``/update_weights_from_disk``) with random JSON bodies: never a 5xx, still serving after.
+  ``/update_weights_from_disk``) with random JSON bodies, mostly with the run's engine key: never
+  a 5xx; without the key (a tenth of the cases), always 401.
 
 The proxy's HTTP routes are fuzzed in ``tests/harness_proxy/test_fuzz.py`` (a live proxy).
 
@@ -51,7 +52,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from cellrunner.transfer import send_grads
-from controller import curve, wire
+from controller import curve, engine_key, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY_TIMEOUT_MS = 10_000
@@ -174,7 +175,8 @@ class Targets:
         self.records_foreign = self._socket("cell-1", zmq.PUSH, "processor", self.records_addr)
         self.grads = self._socket("proxy", zmq.PUSH, "cell-0", ep["core_grads"][0])
         self.weights = self._socket("cell-1", zmq.DEALER, "cell-0", ep["core_weights"])
-        self.engine_url = ep["cells"]["1"] if "1" in ep["cells"] else ep["cells"][1]
+        self.engine_url = ep["cells"]["1"]
+        self.engine_key = engine_key.read_key(run_dir / "engine.key")
         self.sent: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
         self.skipped_valid: Counter[str] = Counter()
@@ -255,9 +257,11 @@ class Targets:
             raise AssertionError(f"the weight server answered {frame!r} with {head!r}")
         self.answered["weights"] += 1
 
-    def to_engine(self, route: str, body: bytes) -> None:
-        req = urllib.request.Request(self.engine_url + route, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    def to_engine(self, route: str, body: bytes, with_key: bool) -> None:
+        """As a member (with the run's key): any status but a 5xx other than 503. Without the
+        key, as anyone on the node: 401 and nothing else."""
+        headers = {"Content-Type": "application/json", **(engine_key.headers(self.engine_key) if with_key else {})}
+        req = urllib.request.Request(self.engine_url + route, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 status = resp.status
@@ -265,6 +269,8 @@ class Targets:
             status = exc.code
             if status >= 500 and status != 503:
                 raise AssertionError(f"{route} answered {status} to {body[:200]!r}: {exc.read()[:300]!r}") from None
+        if not with_key and status != 401:
+            raise AssertionError(f"{route} answered {status} without the run's key")
         self.sent["engine"] += 1
         self.http_status[str(status)] += 1
 
@@ -309,7 +315,7 @@ def fuzz(targets: Targets, cases: int, seed_value: int, only: tuple[str, ...] = 
     run("grads", st.tuples(grad_headers, st.integers(0, 64), st.booleans()), targets.to_grads)
     run("weights", st.tuples(f), targets.to_weights)
     run("engine", st.tuples(st.sampled_from(["/generate", "/abort_request", "/update_weights_from_disk"]),
-                            _json_bodies()), targets.to_engine)
+                            _json_bodies(), st.integers(0, 9).map(lambda n: n > 0)), targets.to_engine)
 
 
 def refusals(run_dir: Path) -> dict[str, int]:

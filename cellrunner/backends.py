@@ -74,8 +74,10 @@ def check_ranks(cfg: CellRunnerConfig, ranks: CellRanks) -> None:
                          "one SGLang server spans a cell's nodes")
 
 
-def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks | None = None) -> Any:
-    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy."""
+def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks | None = None,
+                api_key: str = "") -> Any:
+    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy and
+    want ``api_key`` on every route but /health ("" = open; ``controller.engine_key``)."""
     seed = cfg.seed * 1000 + cell_id
     if isinstance(cfg.engine, SGLangConfig):
         from cellrunner.engine_sglang import SGLangEngine
@@ -85,18 +87,18 @@ def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: Cel
             node, addr = ranks.node_rank, f"{ranks.master_addr}:{cfg.engine.dist_init_port}"
         return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                             cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir,
-                            node_rank=node, dist_init_addr=addr)
+                            node_rank=node, dist_init_addr=addr, api_key=api_key)
     return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                           cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed,
                           prefix_cache_bytes=cfg.engine.prefix_cache_bytes,
-                          prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens)
+                          prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens, api_key=api_key)
 
 
-def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks) -> Any:
+def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, api_key: str = "") -> Any:
     """A follower's share of serving: another node's part of a multi-node SGLang server (its
     local rank 0 runs it), else nothing."""
     if isinstance(cfg.engine, SGLangConfig) and cfg.engine.nnodes > 1 and ranks.local_rank == 0 and ranks.node_rank > 0:
-        return make_engine(cfg, vocab_size, cell_id, ranks)
+        return make_engine(cfg, vocab_size, cell_id, ranks, api_key)
     return None
 
 

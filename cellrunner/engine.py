@@ -35,6 +35,7 @@ from cellrunner import engine_batch
 from cellrunner.config import ModelConfig
 from cellrunner.engine_batch import BatchLoop, GenRequest
 from cellrunner.model import FlatWeights, build_model, load_flat, num_elements
+from controller import engine_key
 from controller.wire import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -199,14 +200,18 @@ class EmbeddedEngine:
         seed: int,
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
+        api_key: str = "",
     ) -> None:
-        """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning)."""
+        """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning).
+        `api_key`: every route but /health wants `Authorization: Bearer <api_key>` ("" = open),
+        as SGLang's --api-key (controller.engine_key)."""
         if max_running < 1:
             raise ValueError(f"max_running: want >= 1, got {max_running}")
         self._model_cfg = model_cfg
         self._vocab_size = vocab_size
         self._host, self._port = host, port
         self._cell_id = cell_id
+        self._api_key = api_key
         self._batch_loop = BatchLoop(
             max_running=max_running, seed=seed, name=f"engine-gen-{cell_id}",
             prefix_cache_bytes=prefix_cache_bytes, prefix_cache_min_tokens=prefix_cache_min_tokens,
@@ -312,7 +317,7 @@ class EmbeddedEngine:
     # ------------------------------------------------------------ HTTP
 
     async def _serve(self) -> int:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._check_key])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health_generate", self._health)
@@ -325,6 +330,13 @@ class EmbeddedEngine:
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
         return self._runner.addresses[0][1]
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Before the body is read: a caller without the run's key gets SGLang's own 401."""
+        if not engine_key.allowed(self._api_key, request.path, request.headers.get("Authorization")):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _generate(self, request: web.Request) -> web.Response:
         try:

@@ -51,6 +51,7 @@ import torch
 from cellrunner.errors import BackendUnavailable
 from cellrunner.config import ModelConfig, SGLangConfig
 from cellrunner.model import FlatWeights, hf_config
+from controller import engine_key
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +69,28 @@ class SGLangError(BackendUnavailable):
 
 
 
+_LAUNCH_WITH_KEY = (
+    "import os, runpy, sys; key = os.environ.pop('GYRE_ENGINE_API_KEY', ''); "
+    "sys.argv += ['--api-key', key] if key else []; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+)
+"""Runs ``sglang.launch_server`` with ``--api-key`` from the environment (``engine_key.ENV``) added
+inside the process: ``/proc/<pid>/cmdline`` keeps the argv it was started with, which every local
+user can read. Plain Python, so it needs nothing of Gyre in the SGLang environment."""
+
+
 def launch_command(
     cfg: SGLangConfig, *, model_path: str, host: str, port: int, max_running: int, seed: int,
     dummy_weights: bool, node_rank: int = 0, dist_init_addr: str = "",
 ) -> list[str]:
-    """The ``sglang.launch_server`` argv for one node of a cell's server."""
+    """The ``sglang.launch_server`` argv for one node of a cell's server (its API key, if any,
+    comes from ``engine_key.ENV`` in the server's environment)."""
     if cfg.nnodes > 1 and not dist_init_addr:
         raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
     if not 0 <= node_rank < cfg.nnodes:
         raise ValueError(f"node_rank {node_rank}: want 0..{cfg.nnodes - 1}")
     cmd = [
-        cfg.python or sys.executable, "-m", "sglang.launch_server",
+        cfg.python or sys.executable, "-c", _LAUNCH_WITH_KEY,
         "--model-path", model_path, "--host", host, "--port", str(port),
         "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
         "--skip-tokenizer-init",  # token ids in and out, as the proxy speaks to the embedded engine
@@ -167,13 +179,16 @@ class SGLangEngine:
     def __init__(
         self, cfg: SGLangConfig, *, model_cfg: ModelConfig, vocab_size: int, host: str, port: int, cell_id: int,
         max_running: int, seed: int, log_dir: str, node_rank: int = 0, dist_init_addr: str = "",
+        api_key: str = "",
     ) -> None:
+        """``api_key``: SGLang's --api-key (given through its environment), sent on every call."""
         self.cfg = cfg
         self._model_cfg, self._vocab_size = model_cfg, vocab_size
         self._host, self._port = host, port
         self._cell_id, self._max_running, self._seed = cell_id, max_running, seed
         self._log_dir, self._node_rank, self._dist_init_addr = log_dir, node_rank, dist_init_addr
         self._proc: subprocess.Popen | None = None
+        self._api_key = api_key
         self._log_file: Any = None
         self._lifecycle = threading.Lock()
         self._version: int | None = None
@@ -206,7 +221,9 @@ class SGLangEngine:
         log_path = os.path.join(self._log_dir, f"sglang-cell{self._cell_id}-node{self._node_rank}.log")
         self._log_file = open(log_path, "ab")
         # Its own session, so stop() can end the server and every scheduler it forked together.
-        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, engine_key.ENV: self._api_key}
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env=env)
         self.url = f"http://{self._host}:{port}"
         log.info("sglang cell=%s node=%s: %s", self._cell_id, self._node_rank, " ".join(cmd))
         if self.serves_http:
@@ -344,7 +361,7 @@ class SGLangEngine:
         (release/resume/abort answer so), and a JSON body is an error unless it says otherwise."""
         data = json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **engine_key.headers(self._api_key)})
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
                 raw = r.read()
@@ -369,7 +386,8 @@ class SGLangEngine:
 
     def _get_text(self, path: str) -> str:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=self.cfg.request_timeout_s) as r:
+            req = urllib.request.Request(self.url + path, headers=engine_key.headers(self._api_key))
+            with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
                 return r.read().decode()
         except urllib.error.HTTPError as e:
             raise SGLangError(f"{path}: HTTP {e.code}") from None

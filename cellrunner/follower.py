@@ -62,8 +62,8 @@ def stop_on_signal(on_stop: Any, done: threading.Event, grace_s: float = GRACE_S
     threading.Thread(target=watch, name="follower-signals", daemon=True).start()
 
 
-def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int) -> None:
-    engine = make_node_engine(cfg, vocab_size, cell_id, ranks)
+def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int, api_key: str = "") -> None:
+    engine = make_node_engine(cfg, vocab_size, cell_id, ranks, api_key)
     done = threading.Event()
     stop_on_signal(lambda: engine.stop() if engine is not None else None, done)
     is_core = cell_id == cfg.core_cell

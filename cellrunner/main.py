@@ -42,7 +42,7 @@ from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
-from controller import curve, wire
+from controller import curve, engine_key, wire
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
@@ -52,7 +52,8 @@ log = logging.getLogger("cellrunner")
 
 
 class CellRunner:
-    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str, ranks: CellRanks):
+    def __init__(self, cfg: CellRunnerConfig, cell_id: int, controller_addr: str, ranks: CellRanks,
+                 engine_api_key: str = ""):
         self.cfg = cfg
         self.ranks = ranks
         self.cell_id = cell_id
@@ -78,7 +79,7 @@ class CellRunner:
         """The core's ranks' gradient inboxes (ours on the core; the controller's word elsewhere)."""
         self.core_rank_weights_addrs = shards if self.is_core else []
         """A multi-rank core's ranks' own shards, which a multi-rank satellite pulls to train."""
-        self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks)
+        self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks, engine_api_key)
         self.phase: wire.CellPhase = "starting"
         self.core_weights_addr = ""
         self.weight_server: WeightPublisher | None = None
@@ -320,6 +321,8 @@ def main() -> None:
     ap.add_argument("--cell-id", type=int, required=True)
     ap.add_argument("--controller", required=True)
     ap.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
+    ap.add_argument("--engine-key-file", default="",
+                    help="0600 file with the run's engine API key (controller.engine_key); '' for an open engine")
     args = ap.parse_args()
     with open(args.config_json) as f:
         cfg = build(CellRunnerConfig, json.load(f))
@@ -329,7 +332,8 @@ def main() -> None:
         ranks = ranks_from_env(os.environ)
         check_ranks(cfg, ranks)
         curve.install(args.curve_keys, f"cell-{args.cell_id}", core=f"cell-{cfg.core_cell}")
-    except (ValueError, curve.CurveError) as exc:
+        api_key = engine_key.read_key(args.engine_key_file) if args.engine_key_file else ""
+    except (ValueError, OSError, curve.CurveError) as exc:
         log.error("cell %d: %s", args.cell_id, exc)
         raise SystemExit(2) from None
     exit_with_parent()  # a controller that died without stopping us
@@ -338,9 +342,9 @@ def main() -> None:
             from cellrunner.follower import run_follower
 
             vocab_size = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks).vocab_size
-            run_follower(cfg, args.cell_id, ranks, vocab_size)
+            run_follower(cfg, args.cell_id, ranks, vocab_size, api_key)
         else:
-            runner = CellRunner(cfg, args.cell_id, args.controller, ranks)
+            runner = CellRunner(cfg, args.cell_id, args.controller, ranks, api_key)
             signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))
             runner.run()
     except BackendUnavailable as exc:  # a setup problem, not a bug: say what to install, no traceback

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from controller import curve, wire
+from controller import curve, engine_key, wire
 from controller.cells import Cell, CellRegistry
 from controller.checkpoints import Checkpoint, latest_checkpoint
 from controller.config import GyreConfig
@@ -104,6 +104,7 @@ class Controller:
         self.train_tasks, self.eval_tasks = self.parts.taskset.split()
         self.rng = random.Random(cfg.run.seed)
         self.secret = secrets.token_bytes(32)
+        self.engine_key_file: Path | None = None
         self.children: dict[str, object] = {}
         self.executions: ExecutionManager | None = None
         self.proxy_url = ""
@@ -140,7 +141,7 @@ class Controller:
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
             ["--processor", proc_ready["records_addr"], "--secret-file", str(self.secret_file()),
-             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args()],
+             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args(), *self.engine_key_args()],
         )
         self.proxy_url = proxy_ready["url"]
         unix_socket = proxy_ready.get("unix_socket")
@@ -156,7 +157,7 @@ class Controller:
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(
                 cell.cell_id, ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr,
-                               *self.curve_args()],
+                               *self.curve_args(), *self.engine_key_args()],
                 self.log_dir)
         deadline = time.monotonic() + c.cluster.start_timeout_s
         # Grades and routing tables go to peers by name: wait for every Hello, not just the cells.
@@ -225,6 +226,12 @@ class Controller:
 
     def curve_args(self) -> list[str]:
         return ["--curve-keys", str(self.keys_dir)] if self.keys_dir else []
+
+    def engine_key_args(self) -> list[str]:
+        """A fresh engine API key for this start (``controller.engine_key``), for the cells and the proxy."""
+        if self.engine_key_file is None:
+            self.engine_key_file = engine_key.write_key(self.run_dir / "engine.key")
+        return ["--engine-key-file", str(self.engine_key_file)]
 
     def secret_file(self) -> Path:
         """The token secret for the proxy, in a 0600 file of the run folder: a command line is

@@ -38,7 +38,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import curve, wire
+from controller import curve, engine_key, wire
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from harness_proxy.auth import read_secret
@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="0600 file with the HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
     p.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
+    p.add_argument("--engine-key-file", type=Path, default=None,
+                   help="0600 file with the run's engine API key (controller.engine_key); none for open engines")
     p.add_argument("--unix-socket", type=Path, default=None,
                    help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
@@ -141,11 +143,11 @@ async def control_loop(sock: zmq.asyncio.Socket, server: ProxyServer, stop: asyn
             stop.set()
 
 
-async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes) -> int:
+async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes, api_key: str = "") -> int:
     ctx = zmq.asyncio.Context()
     sink = ZmqRecordSink(ctx, args.processor)
     sink.start()
-    server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink)
+    server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink, engine_api_key=api_key)
     control = ctx.socket(zmq.DEALER)
     control.setsockopt(zmq.LINGER, 1000)
     curve.client(control, "controller")
@@ -193,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, tok = load_config(args.config_json)
         secret = read_secret(args.secret_file)
+        api_key = engine_key.read_key(args.engine_key_file) if args.engine_key_file else ""
         curve.install(args.curve_keys, "proxy")
     except (ConfigError, OSError, ValueError, curve.CurveError) as exc:  # JSON and hex errors are ValueErrors
         log.error("proxy failed to start: %s", exc)
         return 2
-    return asyncio.run(run(args, cfg, tok, secret))
+    return asyncio.run(run(args, cfg, tok, secret, api_key))
 
 
 if __name__ == "__main__":

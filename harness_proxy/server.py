@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import curve, wire
+from controller import curve, engine_key, wire
 from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
 from harness_proxy.auth import Revocations, bearer_token, verify_token
@@ -251,7 +251,9 @@ class ProxyServer:
     def __init__(
         self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
         session_memory_bytes: int = SESSION_MEMORY_BYTES, max_revoked: int = MAX_REVOKED_EXECUTIONS,
+        engine_api_key: str = "",
     ):
+        """``engine_api_key``: the run's engine key (``controller.engine_key``), sent to every engine."""
         if not secret:
             raise ValueError("secret: empty")
         self.cfg = cfg
@@ -262,6 +264,7 @@ class ProxyServer:
         self.minted = anthropic_api.MintedToolUses()
         self.url = ""
         self._secret = secret
+        self._engine_api_key = engine_api_key
         self._executions: dict[str, _Execution] = {}
         self.revoked = Revocations(max_revoked)
         self.abuse = AbuseLog()
@@ -288,7 +291,8 @@ class ProxyServer:
 
     async def start(self) -> str:
         """Listen on cfg.host:cfg.port (0: a free port); return the base URL."""
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.engine_timeout_s))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.engine_timeout_s),
+                                           headers=engine_key.headers(self._engine_api_key))
         # handler_cancellation: a harness that hangs up cancels its handler, which aborts the engine call.
         # The guard's runner: every site (this TCP one, main's Unix socket) drops slow request heads.
         self._runner = self.guard.runner(

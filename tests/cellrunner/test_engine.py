@@ -25,6 +25,7 @@ from cellrunner.config import ModelConfig
 from cellrunner.engine import EmbeddedEngine, save_safetensors
 from cellrunner.engine_batch import GenRequest, KVBatch, sample
 from cellrunner.model import FlatWeights, build_model, flatten_params, load_flat
+from controller import engine_key
 from harness_proxy.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,10 +73,10 @@ def reference(model_cfg: ModelConfig, vocab_size: int, weights: list[FlatWeights
 def make_engine(model_cfg: ModelConfig, vocab_size: int, weights: list[FlatWeights]):
     engines = []
 
-    def make(*, resume: bool = True, seed: int = 0, max_running: int = 64) -> EmbeddedEngine:
+    def make(*, resume: bool = True, seed: int = 0, max_running: int = 64, api_key: str = "") -> EmbeddedEngine:
         engine = EmbeddedEngine(
             model_cfg=model_cfg, vocab_size=vocab_size, host="127.0.0.1", port=0,
-            cell_id=len(engines), max_running=max_running, seed=seed,
+            cell_id=len(engines), max_running=max_running, seed=seed, api_key=api_key,
         )
         engines.append(engine)
         engine.start()
@@ -93,9 +94,11 @@ def engine(make_engine) -> EmbeddedEngine:
     return make_engine()
 
 
-def call(engine: EmbeddedEngine, path: str, body=None, *, raw: bytes | None = None) -> tuple[int, object]:
+def call(engine: EmbeddedEngine, path: str, body=None, *, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, object]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(engine.url + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(engine.url + path, data=data,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, text = resp.status, resp.read()
@@ -458,3 +461,34 @@ def test_prompt_past_the_old_2048_limit_is_served(engine, reference, model_cfg) 
     reply = generate(engine, prompt, max_new_tokens=8, temperature=0.0)
     assert reply["meta_info"]["prompt_tokens"] == 6000
     assert_logprobs_match(reference, reply, prompt, 0)
+
+
+def test_api_key_guards_every_route_but_health(make_engine, tmp_path):
+    """With the run's key (controller.engine_key), a caller without it gets SGLang's own 401 on
+    /generate, aborts and weight loading, before its body is read; /health stays open."""
+    key = engine_key.read_key(engine_key.write_key(tmp_path / "engine.key"))
+    engine = make_engine(api_key=key)
+    body = {"input_ids": prompt_of(8), "sampling_params": {"max_new_tokens": 2}}
+    for headers in ({}, {"Authorization": "Bearer " + "0" * 64}, {"Authorization": key}):
+        for path, req in (("/generate", body), ("/abort_request", {"rid": "x"}),
+                          ("/update_weights_from_disk", {"model_path": str(tmp_path)})):
+            assert call(engine, path, req, headers=headers) == (401, {"error": "Unauthorized"}), (path, headers)
+        assert call(engine, "/model_info", headers=headers)[0] == 401
+    assert call(engine, "/health")[0] == 200
+    status, reply = call(engine, "/generate", body, headers=engine_key.headers(key))
+    assert status == 200 and len(reply["output_ids"]) == 2
+    assert engine_key.allowed("", "/generate", None)  # no key: an open engine (tests, bench doubles)
+
+
+def test_engine_key_file_is_private(tmp_path):
+    path = engine_key.write_key(tmp_path / "engine.key")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert engine_key.read_key(path) != engine_key.read_key(engine_key.write_key(tmp_path / "other.key"))
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="0600"):
+        engine_key.read_key(path)
+    bad = tmp_path / "bad.key"
+    bad.write_text("short")
+    bad.chmod(0o600)
+    with pytest.raises(ValueError, match="hex key"):
+        engine_key.read_key(bad)

@@ -18,10 +18,12 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -48,6 +50,7 @@ for flag in ("--port", "--tp-size", "--dp-size", "--ep-size", "--max-running-req
              "--context-length", "--nnodes", "--node-rank"):
     ap.add_argument(flag, type=int)
 ap.add_argument("--mem-fraction-static", type=float)
+ap.add_argument("--api-key")
 for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-metrics", "--skip-server-warmup",
              "--disable-cuda-graph", "--enable-hierarchical-cache"):
     ap.add_argument(flag, action="store_true")
@@ -177,7 +180,14 @@ async def fake_mode(request):  # test control: how update_weights_from_disk misb
     state["mode"] = (await request.json())["mode"]
     return web.Response(status=200)
 
-app = web.Application()
+@web.middleware
+async def api_key(request, handler):  # SGLang's own rule: /health and /metrics open, else Bearer <key>
+    if (args.api_key and not request.path.startswith(("/health", "/metrics"))
+            and request.headers.get("Authorization") != "Bearer " + args.api_key):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+app = web.Application(middlewares=[api_key])
 app.router.add_get("/health", health)
 app.router.add_get("/metrics", metrics)
 app.router.add_get("/model_info", model_info)
@@ -216,7 +226,7 @@ def test_launch_command_from_config(tmp_path):
                      extra_args=["--enable-hierarchical-cache"])
     cmd = launch_command(cfg, model_path="/m", host="10.0.0.1", port=30001, max_running=64, seed=5,
                          dummy_weights=True)
-    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert cmd[:2] == [sys.executable, "-c"] and "runpy.run_module('sglang.launch_server'" in cmd[2]
     flags = dict(zip(cmd[3:], cmd[4:]))
     assert flags["--model-path"] == "/m" and flags["--host"] == "10.0.0.1" and flags["--port"] == "30001"
     assert (flags["--tp-size"], flags["--dp-size"], flags["--ep-size"]) == ("4", "2", "8")
@@ -291,13 +301,18 @@ def fake_sglang(tmp_path, monkeypatch):
     return lambda: json.loads(record.read_text())
 
 
-def make_engine(tmp_path: Path, **over) -> SGLangEngine:
+KEY = "ab" * 32
+"""The run's engine key (controller.engine_key) the engines here are started with."""
+
+
+def make_engine(tmp_path: Path, api_key: str = KEY, **over) -> SGLangEngine:
     return SGLangEngine(sglang_cfg(tmp_path, **over), model_cfg=model_cfg(), vocab_size=VOCAB, host="127.0.0.1",
-                        port=0, cell_id=3, max_running=8, seed=1, log_dir=str(tmp_path / "logs"))
+                        port=0, cell_id=3, max_running=8, seed=1, log_dir=str(tmp_path / "logs"), api_key=api_key)
 
 
-def generate(url: str, max_new_tokens: int) -> dict:
-    req = urllib.request.Request(url + "/generate", method="POST", headers={"Content-Type": "application/json"},
+def generate(url: str, max_new_tokens: int, api_key: str = KEY) -> dict:
+    req = urllib.request.Request(url + "/generate", method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
                                  data=json.dumps({"input_ids": [1, 2, 3], "return_logprob": True,
                                                   "sampling_params": {"max_new_tokens": max_new_tokens}}).encode())
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -322,6 +337,14 @@ def test_lifecycle_against_the_fake_server(tmp_path, fake_sglang):
     try:
         rec = fake_sglang()
         assert "--load-format" in rec["argv"] and "--enable-memory-saver" in rec["argv"]
+        # SGLang got the run's key as --api-key, yet no command line shows it (every local user
+        # reads /proc/<pid>/cmdline); every admin call below carries it, or the server says 401
+        assert rec["argv"][-2:] == ["--api-key", KEY]
+        server = psutil.Process(engine._proc.pid)
+        assert all(KEY not in " ".join(p.cmdline()) for p in [server, *server.children(recursive=True)])
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            generate(engine.url, 1, api_key="0" * 64)
+        assert refused.value.code == 401
         assert engine.weight_version is None and engine.num_running() == 0
 
         engine.resume(weights(0))  # first resume: nothing was released, so only the load
@@ -374,7 +397,7 @@ def test_lifecycle_against_the_fake_server(tmp_path, fake_sglang):
 
         # A server that fails an update says so, in words naming the endpoint.
         req = urllib.request.Request(engine.url + "/fake/mode", data=b'{"mode": "not_json"}', method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
         urllib.request.urlopen(req, timeout=10).close()
         with pytest.raises(SGLangError, match="update_weights_from_disk: reply is not JSON"):
             engine.update_weights(weights(3))

@@ -54,14 +54,22 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
         urllib.request.urlopen(req, timeout=10)
     except urllib.error.HTTPError as exc:
         report["proxy_status"] = exc.code
+    # A stranger on the node at a cell's engine: refused without the run's key.
+    gen = urllib.request.Request(f"{ep['cells']['0']}/generate", data=b'{"input_ids": [1], "sampling_params": {}}',
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(gen, timeout=10)
+    except urllib.error.HTTPError as exc:
+        report["engine_status"] = exc.code
     secret = (run_dir / "proxy.secret").read_text().strip()
+    engine_key = (run_dir / "engine.key").read_text().strip()
     token = re.compile(r"gyre\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]{64}")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not done.is_set():
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info["cmdline"] or []
             line = " ".join(cmd)
-            if secret in line or token.search(line):  # /proc/<pid>/cmdline is every local user's to read
+            if secret in line or engine_key in line or token.search(line):  # /proc/<pid>/cmdline is every local user's to read
                 report["secret_on_argv"] = line  # the bundled harness: `python3 -I .../workloads/harness.py`, in its sandbox
             if "workloads/harness.py" in line and str(run_dir) in line and "-g" in line and "bwrap" not in cmd[0]:
                 try:
@@ -109,6 +117,7 @@ def test_short_embedded_run(tmp_path):
     assert isinstance(report.get("controller_reply"), wire.ErrorReply)
     assert "unknown tag 'bogus'" in ctl_log
     assert report.get("proxy_status") in (400, 401)
+    assert report.get("engine_status") == 401  # the engine wants the run's key (controller.engine_key)
     assert "killed_harness" in report, "no harness process was caught running"
     assert "secret_on_argv" not in report, report.get("secret_on_argv")
     assert "harness crashed" in ctl_log

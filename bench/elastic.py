@@ -203,6 +203,12 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "num_calls": len(calls),
         "max_staleness_seen": max(lags) if lags else None,
         "stale_calls": sum(1 for lag in lags if lag > staleness),
+        # what a stale call was, to find out why (its step, the version it was served with, where)
+        "stale_examples": [
+            {"execution": c.execution_id, "call": c.call_index, "weight_version": c.weight_version, "cell": c.cell_id,
+             "started_at": c.started_at}
+            for c in calls if c.cell_id >= 0 and c.output_ids and (s := step_of(c.execution_id)) is not None
+            and s - c.weight_version > staleness][:5],
         "staleness_ok": bool(lags) and max(lags) <= staleness,
         "think_time_applied": bool(logs) and len(think) == len(logs),
         "call_s": sorted(c.finished_at - c.started_at for c in calls),

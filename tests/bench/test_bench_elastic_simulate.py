@@ -73,7 +73,9 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert out["best_async"] == "async" and out["elastic_vs_best_async"] == out["elastic_vs_async"]
     assert finite(out["calibration"]["first_call_s_median"])
     assert finite(out["calibration"]["grade_s"])  # measured from the 'group' events, not assumed
-    assert out["staleness_ok"] is True  # checked on every real CallRecord of the three runs
+    # checked on every real CallRecord of the three runs
+    assert out["staleness_ok"] is True, {p: (r["max_staleness_seen"], r["stale_examples"])
+                                         for p, r in out["policies"].items()}
     for policy in ("elastic", "async", "colocate"):
         assert out["policies"][policy]["num_calls"] > 0
     cal = last_json(capsys, simulate.main, ["--quick", "--calibrate", str(result)])["calibration"]

@@ -1,6 +1,7 @@
-"""SIGKILL the trajectory processor or the harness proxy at a random moment of a run: the run stops
-at once with the reason and how to resume (never a silent hang), and the same ``run.run_id``
-resumes from the newest checkpoint and finishes, each weight version of the final line applied once.
+"""SIGKILL the trajectory processor, the harness proxy or the controller at a random moment of a
+run: the run stops at once with the reason and how to resume (never a silent hang; a dead
+controller leaves no process of the run behind), and the same ``run.run_id`` resumes from the
+newest checkpoint and finishes, each weight version of the final line applied once.
 
 (Restarting either in place, with nothing lost, is issue 21's next step; this is the floor.)"""
 
@@ -67,3 +68,59 @@ def test_a_killed_service_stops_the_run_clearly_and_it_resumes(tmp_path, name, m
     second = versions[len(done_first):]
     assert second == list(range(start + 1, STEPS + 1)), (done_first, second)
     assert done_first[:start] == list(range(1, start + 1))
+
+
+def run_processes(run_dir: Path) -> list[str]:
+    """Command lines of the processes still working for ``run_dir`` (any that names it)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if str(run_dir) in cmd and p.pid != psutil.Process().pid:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid}: {cmd[:200]}")
+            except psutil.Error:
+                continue
+    return out
+
+
+@pytest.mark.e2e
+def test_a_killed_controller_leaves_nothing_running_and_the_run_resumes(tmp_path):
+    """SIGKILL the controller mid-run: every process it started (processor, proxy, cells,
+    harnesses in their sandboxes) ends by itself, since none may keep a shared node's cores or
+    ports; a new controller with the same ``run.run_id`` resumes from the newest checkpoint (the
+    runs cut by the kill are planned again, in a fresh processor log) and finishes, each weight
+    version of the final line applied once."""
+    runs, run_id = tmp_path / "runs", "kill-controller"
+    run_dir = runs / run_id
+    proc = attempt(runs, run_id)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not metrics(run_dir, "step"):
+            time.sleep(0.05)
+        time.sleep(random.Random().uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done_first = [e["weight_version"] for e in metrics(run_dir, "step")]
+    assert len(done_first) < STEPS, "the kill landed after the last step: nothing was tested"
+    deadline = time.monotonic() + 30
+    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"still running 30 s after the controller died: {left}"
+
+    proc = attempt(runs, run_id)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    resumed = [e["weight_version"] for e in metrics(run_dir, "resumed")]
+    start = resumed[0] if resumed else 0
+    versions = [e["weight_version"] for e in metrics(run_dir, "step")]
+    second = versions[len(done_first):]
+    assert second == list(range(start + 1, STEPS + 1)), (done_first, second)
+    assert done_first[:start] == list(range(1, start + 1))
+    assert (run_dir / "processor.1").is_dir()  # the second attempt's processor, next to the first's log

@@ -93,6 +93,9 @@ class Router:
             if self._in_flight[url] <= 0:
                 del self._in_flight[url]
 
+    def in_flight_by_url(self) -> dict[str, int]:
+        return dict(self._in_flight)
+
     def in_flight(self, url: str) -> int:
         return self._in_flight.get(url, 0)
 

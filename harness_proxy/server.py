@@ -365,11 +365,12 @@ class ProxyServer:
         return web.json_response(models_body(self.cfg.model_name))
 
     async def _stats(self, request: web.Request) -> web.Response:
-        """The proxy's counters: refusals per kind (``abuse.KINDS``), sealed executions held, live ones."""
+        """The proxy's counters: refusals per kind (``abuse.KINDS``), sealed executions held, live
+        ones, and the calls in flight per engine URL."""
         return web.json_response({
             "refused": self.abuse.snapshot(), "sealed": self.revoked.stats(),
             "executions_live": len(self._executions), "sessions": self.sessions.num_executions(),
-            "calls_recorded": self.num_records,
+            "calls_recorded": self.num_records, "in_flight": self.router.in_flight_by_url(),
         })
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -1,14 +1,18 @@
-"""A satellite cellrunner SIGKILLed while it trains: the run loses neither the step nor its data.
+"""A satellite cellrunner SIGKILLed while it trains, or while it serves calls: the run loses
+neither the step nor its data.
 
 A short real run (real processes, sockets, HTTP). As soon as a satellite reports its switch to
 training, the test SIGKILLs that cellrunner. The controller must drop it (``cell_lost``), hand
 its microsteps back, and finish every step exactly once with consecutive weight versions, the
 core's final checkpoint at the last version. With run release the satellite is killed once it
 holds a run-released gradient that its group's statistics have not yet turned into an update.
+A serving satellite is killed while the proxy has calls in flight on its engine: the proxy
+re-routes them to another serving cell and every execution is graded.
 """
 
 import json
 import signal
+import urllib.request
 import threading
 import time
 from pathlib import Path
@@ -73,3 +77,43 @@ def test_satellite_killed_mid_step_loses_nothing(tmp_path, release):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
     assert (run_dir / f"checkpoints/v{STEPS}/model.safetensors").stat().st_size > 0
+
+
+def kill_a_serving_satellite_with_calls_in_flight(run_dir: Path, done: threading.Event, report: dict) -> None:
+    while not done.is_set() and not (run_dir / "endpoints.json").exists():
+        time.sleep(0.05)
+    if done.is_set():
+        return
+    ep = json.loads((run_dir / "endpoints.json").read_text())
+    satellites = {url: int(cell) for cell, url in ep["cells"].items() if cell != "0"}
+    while not done.is_set():
+        if any(m.get("kind") == "step" for m in metrics(run_dir)):  # once training has begun
+            with urllib.request.urlopen(ep["proxy"] + "/stats", timeout=10) as r:
+                in_flight = json.loads(r.read())["in_flight"]
+            busy = [(n, url) for url, n in in_flight.items() if url in satellites and n > 0]
+            if busy:
+                n, url = max(busy)
+                if _kill_cell(run_dir, satellites[url]):
+                    report.update(killed=satellites[url], calls_in_flight=n, at_version=max(
+                        m["weight_version"] for m in metrics(run_dir) if m.get("kind") == "step"))
+                    return
+        time.sleep(0.01)
+
+
+@pytest.mark.e2e
+def test_serving_satellite_killed_with_calls_in_flight_loses_nothing(tmp_path):
+    run_dir, report = run_gyre_with(tmp_path / "runs", kill_a_serving_satellite_with_calls_in_flight,
+                                    f"run.steps={STEPS}", "run.eval_at_start=false")
+    assert "killed" in report, "no serving satellite was caught with calls in flight"
+    assert report["at_version"] < STEPS
+    events = metrics(run_dir)
+    assert [m["cell"] for m in events if m.get("kind") == "cell_lost"] == [report["killed"]]
+    # the calls it held were tried again elsewhere, and no run was lost with them
+    proxy_log = (run_dir / "logs/proxy.log").read_text()
+    assert f"failed: cell {report['killed']} (" in proxy_log
+    executions = [m for m in events if m.get("kind") == "execution"]
+    assert executions and all(m["outcome"] == "finished" and m["state"] == "graded" for m in executions), [
+        (m["id"], m["outcome"], m["state"]) for m in executions if m["outcome"] != "finished" or m["state"] != "graded"]
+    versions = [m["weight_version"] for m in events if m.get("kind") == "step"]
+    assert versions == list(range(1, STEPS + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS

@@ -602,7 +602,13 @@ class Controller:
                 cell.proc.kill()
             self.steps.on_cell_lost(cell.cell_id)
             if cell.is_core:
-                raise RunFailed(f"the core cell {cell.cell_id} {why}; it owns the weights and optimizer state")
+                # The core owns the weights and the optimizer state: a satellite holds the weights
+                # but not the optimizer's moments, so the run restarts from the newest checkpoint
+                # (what is lost: the steps since it and the runs in flight).
+                raise RunFailed(
+                    f"the core cell {cell.cell_id} {why}; it owns the weights and optimizer state; its log ends:\n"
+                    f"{log_tail(self.log_dir, f'cell{cell.cell_id}', 8)}\n"
+                    f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
 
     def check_services(self) -> None:
         """The processor and the proxy are single processes the run cannot go on without: one that

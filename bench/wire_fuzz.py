@@ -401,7 +401,28 @@ def fuzz_live_run(runs: Path, cases: int, seed_value: int) -> tuple[dict[str, An
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _wait_gone(runs)
     return result, run_dir
+
+
+def _wait_gone(runs: Path, timeout_s: float = 60.0) -> None:
+    """Until no process names ``runs`` any more: the run's processes end by themselves once the
+    controller is gone (they watch their parent), and must before the folder is removed."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(str(runs) in a for a in p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                continue
+        if not left:
+            return
+        time.sleep(0.2)
+    print(f"wire_fuzz: processes of {runs} still running after {timeout_s:.0f} s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -409,9 +430,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cases", type=int, default=10_000, help="Hypothesis examples per socket or route")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="gyre-fuzz-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gyre-fuzz-", ignore_cleanup_errors=True) as tmp:
         result, _ = fuzz_live_run(Path(tmp) / "runs", args.cases, args.seed)
-    print(json.dumps(result, sort_keys=True), flush=True)
+        print(json.dumps(result, sort_keys=True), flush=True)
     return result
 
 

@@ -285,13 +285,20 @@ async def serve_engine(tok: QwenTokenizer, records_addr: str, ready_file: Path) 
     app.router.add_post("/v1/chat/completions", engine.chat)
     app.router.add_post("/abort_request", engine.abort)
     app.router.add_get("/bench/last", engine.last)
+    await start_on_loopback(app, ready_file)
+    await asyncio.Event().wait()  # until terminated
+
+
+async def start_on_loopback(app: Any, ready_file: Path) -> None:
+    """Serve ``app`` on a free loopback port and say its URL in ``ready_file`` (written whole)."""
+    from aiohttp import web
+
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     tmp = ready_file.with_name(ready_file.name + ".tmp")
     tmp.write_text(json.dumps({"url": f"http://127.0.0.1:{runner.addresses[0][1]}"}))
     os.replace(tmp, ready_file)
-    await asyncio.Event().wait()  # until terminated
 
 
 # ---------------------------------------------------------------- processes

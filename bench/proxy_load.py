@@ -68,7 +68,7 @@ import zmq
 
 from bench.proxy import (
     MODEL, TOOLS, Filler, Http, Processes, free_port, open_conversation, percentile, run_info, scripted_output,
-    wait_ready_file,
+    start_on_loopback, wait_ready_file,
 )
 from controller import wire
 from harness_proxy.auth import mint_token, read_secret
@@ -192,13 +192,8 @@ async def serve_engine(tok: QwenTokenizer, records_addr: str, ready_file: Path) 
     app.router.add_post("/generate", engine.generate)
     app.router.add_post("/abort_request", engine.abort)
     app.router.add_get("/bench/report", engine.report)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await start_on_loopback(app, ready_file)
     puller = asyncio.get_running_loop().create_task(engine.pull_records())
-    tmp = ready_file.with_name(ready_file.name + ".tmp")
-    tmp.write_text(json.dumps({"url": f"http://127.0.0.1:{runner.addresses[0][1]}"}))
-    os.replace(tmp, ready_file)
     await puller  # until terminated (or a record that does not decode: the bench fails loudly)
 
 

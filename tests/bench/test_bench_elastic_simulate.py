@@ -74,8 +74,8 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert finite(out["calibration"]["first_call_s_median"])
     assert finite(out["calibration"]["grade_s"])  # measured from the 'group' events, not assumed
     # checked on every real CallRecord of the three runs
-    assert out["staleness_ok"] is True, {p: (r["max_staleness_seen"], r["stale_examples"])
-                                         for p, r in out["policies"].items()}
+    assert out["staleness_ok"] is True, {p: (r["max_staleness_seen"], r["engine_calls"], r["executions_timed_out"],
+                                             r["stale_examples"]) for p, r in out["policies"].items()}
     for policy in ("elastic", "async", "colocate"):
         assert out["policies"][policy]["num_calls"] > 0
     cal = last_json(capsys, simulate.main, ["--quick", "--calibrate", str(result)])["calibration"]

@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,11 +183,12 @@ def scripted_output(tok: QwenTokenizer, n: int) -> list[int]:
 class InstantEngine:
     """SGLang's ``/generate`` and OpenAI's ``/v1/chat/completions``, answered at once.
 
-    It also pulls the proxy's CallRecords: when asked (``GET /bench/last``, untimed) it drains them
-    and checks each against the request the engine saw under the same rid (its latest 16).
+    It also plays the processor's side of the record stream (``take_records``): each CallRecord is
+    acknowledged at once and checked against the request the engine saw under the same rid (its
+    latest 16); ``GET /bench/last`` (untimed) reports the counts.
     """
 
-    def __init__(self, tok: QwenTokenizer, records_addr: str):
+    def __init__(self, tok: QwenTokenizer):
         self.tok = tok
         self.num_generate = 0
         self.num_chat = 0
@@ -195,8 +196,6 @@ class InstantEngine:
         self.last_output: list[int] = []
         self.seen: dict[str, tuple[list[int], list[int]]] = {}
         self._seen_order: deque[str] = deque()
-        self.pull = zmq.Context.instance().socket(zmq.PULL)
-        self.pull.bind(records_addr)
         self.records = {"received": 0, "exact": 0, "sealed": 0}
 
     async def generate(self, request: Any) -> Any:
@@ -254,39 +253,52 @@ class InstantEngine:
     async def last(self, request: Any) -> Any:
         from aiohttp import web
 
-        self._check_records()
         return web.json_response({
             "body": json.loads(self.last_body), "output_ids": self.last_output, "records": self.records,
             "num_generate": self.num_generate, "num_chat": self.num_chat,
         })
 
-    def _check_records(self) -> None:
-        """Drain the records socket (without waiting) and check each CallRecord against its request."""
-        while True:
-            try:
-                frame = self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            msg = wire.decode(frame, expect=(wire.CallRecord, wire.ExecutionSealed))
-            if isinstance(msg, wire.ExecutionSealed):
-                self.records["sealed"] += 1
-                continue
-            self.records["received"] += 1
-            seen = self.seen.get(msg.call_id)
-            self.records["exact"] += seen is not None and seen == (msg.prompt_ids, msg.output_ids)
+    def on_record(self, msg: wire.CallRecord | wire.ExecutionSealed) -> None:
+        """Check a CallRecord against the request the engine saw under its rid."""
+        if isinstance(msg, wire.ExecutionSealed):
+            self.records["sealed"] += 1
+            return
+        self.records["received"] += 1
+        seen = self.seen.get(msg.call_id)
+        self.records["exact"] += seen is not None and seen == (msg.prompt_ids, msg.output_ids)
 
 
 async def serve_engine(tok: QwenTokenizer, records_addr: str, ready_file: Path) -> None:
     from aiohttp import web
 
-    engine = InstantEngine(tok, records_addr)
+    engine = InstantEngine(tok)
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_post("/generate", engine.generate)
     app.router.add_post("/v1/chat/completions", engine.chat)
     app.router.add_post("/abort_request", engine.abort)
     app.router.add_get("/bench/last", engine.last)
     await start_on_loopback(app, ready_file)
-    await asyncio.Event().wait()  # until terminated
+    await take_records(records_addr, engine.on_record)  # until terminated
+
+
+async def take_records(addr: str, handle: Callable[[wire.CallRecord | wire.ExecutionSealed], None]) -> None:
+    """The processor's side of the proxy's record stream, for the engine doubles: a ROUTER bound on
+    ``addr`` that acknowledges each CallRecord and seal at once (as the processor does once it is
+    in its log; the proxy answers a call only then) and hands it to ``handle``. A frame that does
+    not decode ends it: the bench fails loudly."""
+    import zmq.asyncio
+
+    from trajectory.inbox import ack_frames
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr)
+    while True:
+        ident, frame = (await sock.recv_multipart())[:2]
+        msg = wire.decode(frame, expect=(wire.CallRecord, wire.ExecutionSealed))
+        for parts in ack_frames([(ident, msg)]):  # type: ignore[list-item]
+            await sock.send_multipart(parts)
+        handle(msg)  # type: ignore[arg-type]
 
 
 async def start_on_loopback(app: Any, ready_file: Path) -> None:
@@ -363,7 +375,8 @@ class Processes:
         config.write_text(json.dumps({
             "proxy": {"host": "127.0.0.1", "port": 0, "model_name": MODEL, "max_request_bytes": 64 * 1024 * 1024, "read_timeout_s": 30.0,
                       "max_context_tokens": 262_144, "max_new_tokens_cap": 256, "truncation_ends_turn": False, "engine_timeout_s": 60.0,
-                      "retry_attempts": 1, "route_wait_s": 1.0},
+                      "retry_attempts": 1, "route_wait_s": 1.0,
+                      "record_ack_timeout_s": 120.0, "record_resend_s": 2.0, "max_unacked_record_bytes": 1 << 30},
             "model": {"tokenizer": self.tokenizer, "compact_ranks": 1024},
         }))
         ready = self.tmp / "proxy-ready.json"

@@ -7,8 +7,8 @@ Real processes on loopback, as in ``bench.proxy``: the real proxy (``python -m h
 its secret in a 0600 ``--secret-file``), with this process as its controller (routing table, one
 ``SealExecution`` per finished execution); an *engine double* (``--serve-engine``) that answers
 SGLang's ``POST /generate`` at once with a scripted output (text one token per character, then a
-tool call: ids only a splice reproduces) and distinct per-token logprobs, and binds the PULL socket
-the proxy pushes its CallRecords to, standing in for the trajectory processor; and ``--clients``
+tool call: ids only a splice reproduces) and distinct per-token logprobs, and binds the records
+socket the proxy sends its CallRecords to, acknowledging each, standing in for the trajectory processor; and ``--clients``
 client processes that play harnesses.
 
 Each client runs ``--sessions / --clients`` sessions at once, each an OpenAI chat conversation
@@ -19,14 +19,15 @@ call would pass ``--max-tokens-per-session`` ends: its execution is sealed and t
 a new one. Calls stop being made after ``--duration-s``; the ones in flight finish, every live
 execution is sealed, and the records left in flight are drained.
 
-What is checked, call by call, on the PULL side (the engine double's process, which saw every
+What is checked, call by call, on the records side (the engine double's process, which saw every
 ``/generate``): each CallRecord's prompt ids, output ids and logprobs against what the engine
 double saw and produced under that request id (``records_inexact`` counts those that differ,
 compared by a 128-bit BLAKE2b digest of the ids and the logprobs' float64 bytes); each record
 after an execution's first begins with the previous record's prompt + output (+ ``<|im_end|>``),
 i.e. the proxy spliced the engine's own ids (``records_spliced`` of ``records_splice_checked``);
 each ``ExecutionSealed`` counts the records received for it (``seals_exact`` of ``seals``).
-``records_lost`` = calls answered 200 whose CallRecord never reached the PULL side.
+``records_lost`` = calls answered 200 whose CallRecord never reached the records side (which
+acknowledges each at once, as the processor does once it is logged; the proxy answers only then).
 
 Figures: ``added_latency_ms`` p50/p99 = the client's wall time per answered call (first byte
 sent to last byte read, the body encoded beforehand) minus the engine double's own time for that
@@ -39,7 +40,7 @@ name. ``context_tokens``: the prompt tokens of the answered calls (p50, max) and
 sessions reached their cap. The proxy's own counters (``GET /stats``) come along as ``proxy_stats``.
 
 Left out: streaming, the Anthropic API, real generation (the engine double answers at once, so
-the proxy is the bottleneck), the trajectory processor's own work (the PULL side only checks).
+the proxy is the bottleneck), the trajectory processor's own work (the records side only checks).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import zmq
 
 from bench.proxy import (
     MODEL, TOOLS, Filler, Http, Processes, free_port, open_conversation, percentile, run_info, scripted_output,
-    start_on_loopback, wait_ready_file,
+    start_on_loopback, take_records, wait_ready_file,
 )
 from controller import wire
 from harness_proxy.auth import mint_token, read_secret
@@ -97,15 +98,13 @@ def scripted_logprobs(rid: str, n: int) -> list[float]:
     return [-(((seed + 7919 * i) % 4093) + 1) / 1024.0 for i in range(n)]
 
 
-# ---------------------------------------------------------------- the engine double and the PULL side
+# ---------------------------------------------------------------- the engine double and the records side
 
 
 class EngineDouble:
-    """``/generate`` answered at once; the proxy's records pulled and checked against what it saw."""
+    """``/generate`` answered at once; the proxy's records taken and checked against what it saw."""
 
-    def __init__(self, tok: QwenTokenizer, records_addr: str):
-        import zmq.asyncio
-
+    def __init__(self, tok: QwenTokenizer):
         self.tok = tok
         self.num_generate = 0
         self.seen: dict[str, tuple[bytes, bytes]] = {}
@@ -115,8 +114,6 @@ class EngineDouble:
         self.counts: Counter[str] = Counter()
         self.lines: dict[str, tuple[int, int, bytes]] = {}
         """execution id -> (records so far, length of prompt+output(+im_end) of the last, its digest)."""
-        self.pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        self.pull.bind(records_addr)
 
     async def generate(self, request: Any) -> Any:
         from aiohttp import web
@@ -150,13 +147,11 @@ class EngineDouble:
         return web.json_response({"received": sorted(self.received), "engine_s": self.engine_s,
                                   "counts": dict(self.counts), "num_generate": self.num_generate})
 
-    async def pull_records(self) -> None:
-        while True:
-            msg = wire.decode(await self.pull.recv(), expect=(wire.CallRecord, wire.ExecutionSealed))
-            if isinstance(msg, wire.ExecutionSealed):
-                self.on_sealed(msg)
-            else:
-                self.on_record(msg)
+    def on_message(self, msg: wire.CallRecord | wire.ExecutionSealed) -> None:
+        if isinstance(msg, wire.ExecutionSealed):
+            self.on_sealed(msg)
+        else:
+            self.on_record(msg)
 
     def on_record(self, rec: wire.CallRecord) -> None:
         self.counts["records"] += 1
@@ -187,14 +182,13 @@ class EngineDouble:
 async def serve_engine(tok: QwenTokenizer, records_addr: str, ready_file: Path) -> None:
     from aiohttp import web
 
-    engine = EngineDouble(tok, records_addr)
+    engine = EngineDouble(tok)
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_post("/generate", engine.generate)
     app.router.add_post("/abort_request", engine.abort)
     app.router.add_get("/bench/report", engine.report)
     await start_on_loopback(app, ready_file)
-    puller = asyncio.get_running_loop().create_task(engine.pull_records())
-    await puller  # until terminated (or a record that does not decode: the bench fails loudly)
+    await take_records(records_addr, engine.on_message)  # until terminated (or a record that does not decode)
 
 
 # ---------------------------------------------------------------- a client process

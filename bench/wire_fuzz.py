@@ -8,7 +8,7 @@ Starts the embedded default (``controller.main``, CURVE on) and, while it trains
 - ``controller``: the controller's ROUTER, from a connection holding the proxy's key. Each frame
   must be answered with an ``ErrorReply`` (a clear error). A frame that decodes as a valid
   ``Hello`` is not sent: saying Hello as itself is a member's right (a restarted proxy does it).
-- ``records``: the processor's records PULL, holding the proxy's key; only frames that do not
+- ``records``: the processor's records ROUTER, holding the proxy's key; only frames that do not
   decode as a CallRecord or ExecutionSealed are sent (a valid one is the proxy's to send).
 - ``records_foreign``: the same socket from cell 1's key, any frame: refused for its sender.
 - ``grads``: the core's gradient inbox (rank 0), from the proxy's key, ``[header, payload]``
@@ -171,8 +171,8 @@ class Targets:
         self.ctx = zmq.Context()
         self.keys = run_dir / "keys"
         self.controller = self._socket("proxy", zmq.DEALER, "controller", ep["controller"], routing_id=b"fuzz")
-        self.records = self._socket("proxy", zmq.PUSH, "processor", self.records_addr)
-        self.records_foreign = self._socket("cell-1", zmq.PUSH, "processor", self.records_addr)
+        self.records = self._socket("proxy", zmq.DEALER, "processor", self.records_addr)
+        self.records_foreign = self._socket("cell-1", zmq.DEALER, "processor", self.records_addr)
         self.grads = self._socket("proxy", zmq.PUSH, "cell-0", ep["core_grads"][0])
         self.weights = self._socket("cell-1", zmq.DEALER, "cell-0", ep["core_weights"])
         self.engine_url = ep["cells"]["1"]

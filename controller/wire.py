@@ -499,6 +499,37 @@ class ExecutionSealed(Message):
     num_calls: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordsAck(Message):
+    """The processor -> the proxy: these CallRecords and seals are in its log (durable), so the
+    proxy may forget them. Entry i names ``execution_ids[i]`` and ``call_ids[i]`` (``""`` for the
+    execution's ``ExecutionSealed``)."""
+
+    TAG: ClassVar[str] = "records_ack"
+    execution_ids: list[str]
+    call_ids: list[str]
+
+    def check(self) -> None:
+        if len(self.execution_ids) != len(self.call_ids):
+            raise ValueError("call_ids: want one per execution id")
+
+
+def record_key(msg: CallRecord | ExecutionSealed) -> tuple[str, str]:
+    """What ``RecordsAck`` names a record or a seal by (the processor deduplicates by it too)."""
+    return (msg.execution_id, msg.call_id if isinstance(msg, CallRecord) else "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivered(Message):
+    """The controller -> the processor: it took these shards and these groups' ``GroupDone``
+    (deduplicated by id on its side), so the processor logs them as delivered and never sends
+    them again, even after a restart."""
+
+    TAG: ClassVar[str] = "delivered"
+    shard_ids: list[str] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+
+
 # ---------------------------------------------------------------- data plane: weights and gradients
 
 
@@ -611,7 +642,7 @@ MESSAGES: dict[str, type[Message]] = {
         WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, GroupStats, RunMicrostep,
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionFacts, ExecutionSealed, PullWeights, TensorSpec,
-        WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked,
+        WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked, RecordsAck, Delivered,
     )
 }
 

@@ -32,3 +32,12 @@ class ProxyConfig:
     """Engines tried for one call before the harness gets an error (503 while re-routing)."""
     route_wait_s: float
     """How long a call waits for a serving engine to appear (all cells mid-switch) before 503."""
+    record_ack_timeout_s: float
+    """How long a call waits for the processor to acknowledge its CallRecord (in its log) before the
+    harness gets a retriable 503 (529 on the Anthropic API). The record stays held and is resent."""
+    record_resend_s: float
+    """A CallRecord or seal the processor has not acknowledged this long after it went out is sent
+    again (a processor restarting on the same address; it drops duplicates)."""
+    max_unacked_record_bytes: int
+    """Records held unacknowledged past this: new calls are refused with a retriable 503 (529)
+    before they reach an engine, rather than held without bound."""

@@ -5,8 +5,9 @@
 - ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
   obeys ``RoutingTable``, ``SealExecution`` and ``Shutdown``. A frame it cannot decode is logged and
   answered with ``ErrorReply``; the process keeps running.
-- ``--processor``: a ZMQ PULL; the proxy PUSHes one ``CallRecord`` per successful call and, on a
-  seal, ``ExecutionSealed`` after that execution's records (same socket, so the order holds).
+- ``--processor``: the processor's records ROUTER; the proxy's DEALER sends one ``CallRecord`` per
+  successful call and, on a seal, ``ExecutionSealed`` once that execution's records are all
+  acknowledged, and keeps each until the processor's ``RecordsAck`` (``harness_proxy.record_sink``).
 - ``--secret-file``: a 0600 file holding the HMAC secret of the per-execution bearer tokens, hex
   (``harness_proxy.auth.write_secret``); a file, not the value, so ``/proc/<pid>/cmdline`` shows no secret.
 - ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening,
@@ -43,7 +44,8 @@ from controller.lifecycle import exit_with_parent
 from controller.typed_config import ConfigError, build
 from harness_proxy.auth import read_secret
 from harness_proxy.config import ProxyConfig
-from harness_proxy.server import ProxyServer, ZmqRecordSink
+from harness_proxy.record_sink import ZmqRecordSink
+from harness_proxy.server import ProxyServer
 from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness_proxy.main", description="Gyre harness proxy")
     p.add_argument("--config-json", required=True, type=Path)
     p.add_argument("--controller", required=True, help="controller ROUTER address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--processor", required=True, help="trajectory processor PULL address for CallRecords")
+    p.add_argument("--processor", required=True, help="the trajectory processor's records address (a ROUTER)")
     p.add_argument("--secret-file", required=True, type=Path,
                    help="0600 file with the HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
@@ -145,7 +147,7 @@ async def control_loop(sock: zmq.asyncio.Socket, server: ProxyServer, stop: asyn
 
 async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes, api_key: str = "") -> int:
     ctx = zmq.asyncio.Context()
-    sink = ZmqRecordSink(ctx, args.processor)
+    sink = ZmqRecordSink(ctx, args.processor, resend_s=cfg.record_resend_s)
     sink.start()
     server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink, engine_api_key=api_key)
     control = ctx.socket(zmq.DEALER)

@@ -22,21 +22,18 @@ One asyncio event loop owns everything here; the control plane (``harness_proxy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
-import zmq
-import zmq.asyncio
 from aiohttp import web
 
-from controller import curve, engine_key, wire
+from controller import engine_key, wire
 from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
 from harness_proxy.auth import Revocations, bearer_token, verify_token
@@ -45,6 +42,7 @@ from harness_proxy.openai_api import (
     ApiError, ChatRequest, completion_body, finish_reason, models_body, new_call_id, parse_chat_request,
     reply_message, stream_events, usage,
 )
+from harness_proxy.record_sink import RecordSink
 from harness_proxy.routing import Router
 from harness_proxy.sessions import SESSION_MEMORY_BYTES, SessionStore
 from harness_proxy.template import ParsedOutput, parse_output, render_messages
@@ -59,82 +57,11 @@ ROUTE_POLL_S = 0.05
 """How often a call with no engine to go to looks at the routing table again."""
 ABORT_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
-RECORD_SNDHWM = 100_000
-"""Frames queued on the processor socket before a push waits (back-pressure, never a drop)."""
 MAX_TOKEN_ID = 2**31 - 1
 MAX_REVOKED_EXECUTIONS = 65_536
 """Sealed executions held exactly (about 150 bytes each); past them ``auth.Revocations`` evicts by floor."""
 CALL_ID_HEADER = "x-gyre-call-id"
 EXECUTION_TOKEN_HEADER = "x-gyre-execution-token"
-
-
-# ---------------------------------------------------------------- recording
-
-
-class RecordSink(Protocol):
-    def put(self, msg: wire.Message) -> asyncio.Future[None]:
-        """Queue ``msg`` behind everything put before; the future completes once it is sent."""
-        ...
-
-
-class ZmqRecordSink:
-    """Sends wire messages on one ZMQ PUSH socket, strictly in the order they were put.
-
-    ``put`` is synchronous, so a caller's check-then-put cannot interleave with another's (that is
-    how ``ExecutionSealed`` lands after an execution's last record). A full send queue makes the
-    sender wait (back-pressure); nothing is dropped.
-    """
-
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, linger_ms: int = 10_000):
-        self._sock = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, RECORD_SNDHWM)
-        self._sock.setsockopt(zmq.LINGER, linger_ms)
-        curve.client(self._sock, "processor")  # no-op unless this process installed the run's keys
-        self._sock.connect(addr)
-        self._queue: asyncio.Queue[tuple[bytes, asyncio.Future[None]]] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
-        self.addr = addr
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="record-sink")
-
-    def put(self, msg: wire.Message) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._task is None or self._task.done():
-            fut.set_exception(ConnectionError(f"record sink to {self.addr} is not running"))
-        else:
-            self._queue.put_nowait((wire.encode(msg), fut))
-        return fut
-
-    async def _run(self) -> None:
-        while True:
-            frame, fut = await self._queue.get()
-            try:
-                await self._sock.send(frame, copy=False)
-            except asyncio.CancelledError:
-                if not fut.done():
-                    fut.set_exception(ConnectionError("record sink closed"))
-                raise
-            except Exception as exc:  # a ZMQ error: fail this push, keep serving the rest
-                log.error("record push to %s failed: %s", self.addr, exc)
-                if not fut.done():
-                    fut.set_exception(exc)
-            else:
-                if not fut.done():
-                    fut.set_result(None)
-
-    async def close(self, *, timeout_s: float = 10.0) -> None:
-        """Send what is queued (up to ``timeout_s``), then close; ZMQ linger flushes the socket."""
-        deadline = time.monotonic() + timeout_s
-        while not self._queue.empty() and time.monotonic() < deadline and self._task and not self._task.done():
-            await asyncio.sleep(0.01)
-        if not self._queue.empty():
-            log.error("record sink closing with %d message(s) unsent", self._queue.qsize())
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._sock.close()
 
 
 # ---------------------------------------------------------------- the engine (SGLang's native API)
@@ -270,6 +197,7 @@ class ProxyServer:
         self.abuse = AbuseLog()
         self.guard = ConnectionGuard(read_timeout_s=cfg.read_timeout_s, abuse=self.abuse)
         self.num_records = 0
+        self.num_refused_backlog = 0
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._background: set[asyncio.Task[Any]] = set()
         self._http: aiohttp.ClientSession | None = None
@@ -366,11 +294,14 @@ class ProxyServer:
 
     async def _stats(self, request: web.Request) -> web.Response:
         """The proxy's counters: refusals per kind (``abuse.KINDS``), sealed executions held, live
-        ones, and the calls in flight per engine URL."""
+        ones, the calls in flight per engine URL, and the records the processor has not yet
+        acknowledged (held and resent by the sink)."""
         return web.json_response({
             "refused": self.abuse.snapshot(), "sealed": self.revoked.stats(),
             "executions_live": len(self._executions), "sessions": self.sessions.num_executions(),
             "calls_recorded": self.num_records, "in_flight": self.router.in_flight_by_url(),
+            "records": {"unacked": self.sink.num_unacked, "unacked_bytes": self.sink.backlog_bytes,
+                        "resent": self.sink.num_resent, "refused_backlog": self.num_refused_backlog},
         })
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -537,8 +468,14 @@ class ProxyServer:
 
         ``make_reply(ParsedOutput, output_ids) -> dict`` builds the assistant message in template form (what
         the harness will be told, and what the session remembers for the next call's splice).
-        Returns once the CallRecord is on its way to the processor (persist, then acknowledge).
+        Returns once the processor has the CallRecord in its log (persist, then acknowledge).
         """
+        if self.sink.backlog_bytes > self.cfg.max_unacked_record_bytes:
+            # The processor is down or behind: refuse before any engine time is spent, rather
+            # than hold more records than configured (the harness retries a 503 / 529).
+            self.num_refused_backlog += 1
+            raise ApiError(503, f"the trajectory processor is behind ({self.sink.backlog_bytes} bytes of records "
+                                "not yet acknowledged); retry", type="server_error")
         call, spliced = self._plan_call(
             execution_id, agent, chat, call_id=call_id, lineage=lineage, agent_id=agent_id
         )
@@ -558,7 +495,12 @@ class ProxyServer:
             prompt_ids=call.prompt_ids, output_ids=result.output_ids,
         )
         try:
-            await asyncio.shield(pushed)
+            await asyncio.wait_for(asyncio.shield(pushed), self.cfg.record_ack_timeout_s)
+        except asyncio.TimeoutError:
+            # Still held and resent: it lands in the log when the processor is back. The harness
+            # retries; the retry is a sibling call of the same prompt in the execution's tree.
+            raise ApiError(503, f"the call is not yet recorded after {self.cfg.record_ack_timeout_s:.0f}s "
+                                "(the trajectory processor is down or behind); retry", type="server_error") from None
         except Exception as exc:
             raise ApiError(503, f"the call could not be recorded ({exc}); retry", type="server_error") from None
         log.debug(

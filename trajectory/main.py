@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trajectory.main", description=__doc__.split("\n")[0])
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--controller", required=True, help="the controller's ROUTER address")
-    parser.add_argument("--bind-records", required=True, help="PULL address for CallRecords")
+    parser.add_argument("--bind-records", required=True, help="address of the records ROUTER (CallRecords and seals from the proxy)")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--no-fsync", action="store_true", help="flush the log but skip os.fsync")

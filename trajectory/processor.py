@@ -6,11 +6,12 @@ Three layers, each testable alone:
   decoded messages and return the messages to send (``ShardReady``..., ``GroupDone``,
   ``ErrorReply``).
 - ``ProcessorService`` — decodes frames, appends the valid ones to the ``AppendLog`` *before*
-  processing them, rebuilds the state from the log on start, and logs a marker for a group (or
-  a run-released execution) right before its messages go out, so a restart does not send them
-  again.
-- ``serve`` — the ZMQ loop: PULL bound for records (from the proxy), DEALER connected to the
-  controller (``Hello``, then ``Grade`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
+  processing (and acknowledging) them, rebuilds the state from the log on start, and logs a
+  marker for a group (or a run-released execution) once the controller has taken all of its
+  messages, so a restart sends again exactly what may not have arrived.
+- ``serve`` — the ZMQ loop: a ``RecordInbox`` (ROUTER) bound for records (from the proxy, each
+  acknowledged once logged), DEALER connected to the controller (``Hello``, then ``Grade`` and
+  ``Delivered`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
 
 Grading rules. An execution is *usable* when its outcome is ``finished`` or ``timed_out`` and its
 reward is not None (the controller grades timed-out runs from their workspace). ``crashed`` and
@@ -32,15 +33,15 @@ freed and later records for it are late. The group's completion sends only its `
 always after every shard of the group; a dropped group's shards have already gone out, and the
 controller and cells discard them on ``dropped``.
 
-Delivery. Records and seals are deduplicated by ``(execution_id, call_id)``, grades by
-execution, so a proxy or controller may resend after a restart. A group's marker is durable
-before its first message is handed to ZMQ, so whoever saw a ``GroupDone`` never sees that group
-again; a group completed in the log without a marker (killed before sending) is sent after the
-restart. A run-released execution has a marker of its own, with the same guarantees: its shards
-are sent once, whenever its group completes. The window left is the reverse one: killed after
-the marker but before ZMQ's I/O thread wrote the frames to the kernel (microseconds), the group
-(or execution) is lost. Closing it needs an acknowledgement from the controller, which the wire
-protocol does not have yet.
+Delivery (at least once, each receiver idempotent: effectively once). The processor acknowledges
+records and seals (``RecordsAck``) only once they are in its log; the proxy resends what is not
+acknowledged, and records and seals are deduplicated by ``(execution_id, call_id)``, grades by
+execution (the controller resends its grades when a restarted processor says Hello). Outgoing, a
+group's messages (its shards, then its ``GroupDone``) and a run-released execution's shards stay
+owed until the controller answers ``Delivered`` for every one of them; only then is the group's (or
+execution's) *delivered* marker logged. A restart replays the log and sends again whatever has no
+marker, and the controller drops what it already took by shard and group id. So a kill at any
+moment loses nothing and trains nothing twice.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -58,6 +60,7 @@ import zmq
 from controller import curve
 from controller.wire import (
     CallRecord,
+    Delivered,
     ErrorReply,
     ExecutionFacts,
     ExecutionSealed,
@@ -75,6 +78,7 @@ from controller.wire import (
 from controller.wire import Sequence as TrainingSequence
 from trajectory.advantages import advantage, group_stats
 from trajectory.config import AlgoConfig
+from trajectory.inbox import RecordInbox
 from trajectory.log import AppendLog, Marker, decode_marker, encode_marker
 from trajectory.run_release import EXECUTION_SENT_MARKER, released_execution, run_released_shards
 from trajectory.samples import build_sequences, pack_shards
@@ -495,12 +499,16 @@ class ProcessorService:
     """Frames in, messages out, with every accepted frame logged before it is processed."""
 
     RECORD_MESSAGES = (CallRecord, ExecutionSealed)
-    CONTROL_MESSAGES = (Grade, Shutdown)
+    CONTROL_MESSAGES = (Grade, Delivered, Shutdown)
 
     def __init__(self, processor: Processor, log_: AppendLog) -> None:
         self.processor = processor
         self.log = log_
         self.shutdown_requested = False
+        # What went out and is not yet Delivered: marker key -> its messages, the delivery ids
+        # still waited for, and when it was last sent (for a resend).
+        self.owed: dict[tuple[str, str], _Owed] = {}
+        self._owed_by_id: dict[str, tuple[str, str]] = {}
 
     @property
     def counters(self) -> Counters:
@@ -562,13 +570,22 @@ class ProcessorService:
 
     def on_record_frames(self, frames: Sequence[bytes]) -> list[Message]:
         """Frames from the records socket (CallRecord, ExecutionSealed); no replies for bad ones."""
+        out, _ = self.take_records([(b"", frame) for frame in frames])
+        return out
+
+    def take_records(
+        self, batch: Sequence[tuple[bytes, bytes]]
+    ) -> tuple[list[Message], list[tuple[bytes, CallRecord | ExecutionSealed]]]:
+        """``(sender, frame)`` pairs from the records socket: the messages to send, and the
+        ``(sender, record)`` pairs now in the log, to acknowledge (``RecordInbox.ack``)."""
         accepted = []
-        for frame in frames:
+        for ident, frame in batch:
             try:
-                accepted.append((frame, decode(frame, expect=self.RECORD_MESSAGES)))
+                accepted.append((ident, frame, decode(frame, expect=self.RECORD_MESSAGES)))
             except ProtocolError as exc:
                 self.reject("records", str(exc))
-        return self._persist_and_process(accepted)
+        out = self._persist_and_process([(frame, msg) for _, frame, msg in accepted])
+        return out, [(ident, msg) for ident, _, msg in accepted]  # type: ignore[misc]
 
     def on_control_frames(self, frames: Sequence[bytes]) -> list[Message]:
         """Frames from the controller (Grade, Shutdown); a bad one gets an ErrorReply."""
@@ -585,17 +602,56 @@ class ProcessorService:
                 log.info("shutdown requested by the controller: %s", msg.reason)
                 self.shutdown_requested = True
                 continue
+            if isinstance(msg, Delivered):
+                self.on_delivered(msg)
+                continue
             accepted.append((frame, msg))
         return replies + self._persist_and_process(accepted)
 
-    def mark_sending(self, messages: Sequence[Message]) -> None:
-        """Log (durably) that these messages are about to go out, so a restart does not resend them.
+    def sending(self, messages: Sequence[Message], now: float | None = None) -> None:
+        """These messages go out now: hold them as owed until ``Delivered`` names each one."""
+        groups: dict[tuple[str, str], list[Message]] = {}
+        _collect_by_group(list(messages), groups)
+        now = time.monotonic() if now is None else now
+        for key, msgs in groups.items():
+            entry = self.owed.setdefault(key, _Owed(sent_at=now))
+            entry.messages.extend(msgs)
+            for m in msgs:
+                entry.waiting.add(_delivery_id(m))
+                self._owed_by_id[_delivery_id(m)] = key
 
-        Call it before sending: a duplicate ``ShardReady`` / ``GroupDone`` would be counted twice.
-        One marker per group and per run-released execution (however many shards it has), in
-        message order, so a marker that survives a torn tail implies every earlier one did.
-        """
-        keys = [k for k in map(_sent_key, messages) if k is not None]
+    def on_delivered(self, msg: Delivered) -> None:
+        """The controller took these: a group or execution all of whose messages it has is
+        marked delivered in the log (durably), and never sent again."""
+        done = []
+        for id_ in [f"shard:{i}" for i in msg.shard_ids] + [f"group:{g}" for g in msg.group_ids]:
+            key = self._owed_by_id.pop(id_, None)
+            entry = self.owed.get(key) if key is not None else None
+            if entry is None:
+                continue  # a duplicate acknowledgement, or one for a message of an earlier attempt
+            entry.waiting.discard(id_)
+            if not entry.waiting:
+                del self.owed[key]  # type: ignore[arg-type]
+                done.append(key)
+        self._log_markers(done)
+
+    def due_resends(self, now: float, after_s: float) -> list[Message]:
+        """Owed messages sent over ``after_s`` ago without a ``Delivered``, to send again (the
+        controller drops what it already has)."""
+        out: list[Message] = []
+        for entry in self.owed.values():
+            if now - entry.sent_at >= after_s:
+                entry.sent_at = now
+                out.extend(m for m in entry.messages if _delivery_id(m) in entry.waiting)
+        return out
+
+    def mark_delivered(self, messages: Sequence[Message]) -> None:
+        """Log these messages' groups and executions as delivered (what ``on_delivered`` does once
+        every message of one is acknowledged)."""
+        self._log_markers([k for k in map(_sent_key, messages) if k is not None])
+
+    def _log_markers(self, keys: list[tuple[str, str]]) -> None:
+        """One marker per group and run-released execution, in order, durable on return."""
         markers = [
             encode_marker(kind, **{_MARKER_FIELDS[kind]: id_}) for kind, id_ in dict.fromkeys(keys)
         ]
@@ -611,6 +667,21 @@ class ProcessorService:
         for _, msg in accepted:
             out.extend(self.processor.on_message(msg))
         return out
+
+
+@dataclass
+class _Owed:
+    sent_at: float
+    messages: list[Message] = field(default_factory=list)
+    waiting: set[str] = field(default_factory=set)
+
+
+def _delivery_id(m: Message) -> str:
+    """How ``Delivered`` names a message: ``shard:<shard id>`` or ``group:<group id>``."""
+    if isinstance(m, ShardReady):
+        return f"shard:{m.shard.shard_id}"
+    assert isinstance(m, GroupDone), m
+    return f"group:{m.group_id}"
 
 
 def _collect_by_group(messages: list[Message], owed: dict[tuple[str, str], list[Message]]) -> None:
@@ -646,6 +717,9 @@ def _marker_key(marker: Marker) -> tuple[str, str] | None:
 # ---------------------------------------------------------------------- the ZMQ loop
 
 _DRAIN_LIMIT = 512
+RESEND_AFTER_S = 10.0
+"""Owed messages with no ``Delivered`` this long after they went out are sent again (the
+controller answers within a tick; a resend covers a frame lost on a reconnect)."""
 
 
 def serve(
@@ -663,33 +737,33 @@ def serve(
     """
     owed = service.replay()
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
+    inbox = RecordInbox(ctx, records_addr, only="proxy", on_refused=lambda why: service.reject("records", why))
     dealer = ctx.socket(zmq.DEALER)
     try:
-        pull.setsockopt(zmq.LINGER, 0)
-        curve.server(pull)  # only the run's members (the proxy) get records in
-        pull.bind(records_addr)
-        bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)
         dealer.setsockopt(zmq.LINGER, 2000)
         curve.client(dealer, "controller")
         dealer.connect(controller_addr)
         dealer.send(encode(Hello(peer="processor", pid=os.getpid())))
         _send(dealer, service, owed)
-        log.info("processor ready: records on %s, controller %s", bound, controller_addr)
+        log.info("processor ready: records on %s, controller %s", inbox.addr, controller_addr)
         if on_ready is not None:
-            on_ready(bound)
+            on_ready(inbox.addr)
         poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
+        poller.register(inbox.sock, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
         while not stop.is_set() and not service.shutdown_requested:
             events = dict(poller.poll(poll_ms))
-            if pull in events:
-                _send(dealer, service, service.on_record_frames(_drain(pull, service, "records", only="proxy")))
+            if inbox.sock in events:
+                out, logged = service.take_records(inbox.drain(_DRAIN_LIMIT))
+                inbox.ack(logged)  # after take_records: the batch is in the log
+                _send(dealer, service, out)
             if dealer in events:
                 _send(dealer, service, service.on_control_frames(_drain(dealer, service, "control")))
+            for m in service.due_resends(time.monotonic(), RESEND_AFTER_S):
+                dealer.send(encode(m))
     finally:
         log.info("processor stopping: %s", service.counters.metrics())
-        pull.close()
+        inbox.close()
         dealer.close()
         curve.stop()  # its ZAP handler lives in this context: stopped before the context ends
         ctx.term()
@@ -697,28 +771,20 @@ def serve(
 
 
 def _send(dealer: zmq.Socket, service: ProcessorService, messages: list[Message]) -> None:
-    service.mark_sending(messages)
+    service.sending(messages)
     for m in messages + service.processor.take_facts():  # facts: informational, never marked or owed
         dealer.send(encode(m))
 
 
-def _drain(sock: zmq.Socket, service: ProcessorService, where: str, *, only: str | None = None) -> list[bytes]:
-    """Up to _DRAIN_LIMIT waiting frames (one log fsync for the batch). ``only``: the member that
-    may send on this socket under CURVE (any other member's frame is refused, whatever it says)."""
+def _drain(sock: zmq.Socket, service: ProcessorService, where: str) -> list[bytes]:
+    """Up to _DRAIN_LIMIT waiting frames from the controller (one log fsync for the batch)."""
     frames: list[bytes] = []
     while len(frames) < _DRAIN_LIMIT:
         try:
-            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            parts = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             break
-        sender = curve.sender(parts[0])
-        parts = [p.bytes for p in parts]
-        parts = [p for p in parts if p] if len(parts) > 1 else parts  # ROUTER peers may add b""
-        if only is not None and sender is not None and sender != only:
-            # Records and seals come from the proxy alone: another member's would be logged and
-            # trained as if the proxy had recorded them.
-            service.reject(where, f"{sender} sent on the {only}'s socket")
-            continue
+        parts = [p for p in parts if p] if len(parts) > 1 else parts
         if len(parts) != 1:
             service.reject(where, f"want one frame per message, got {len(parts)} parts")
             continue

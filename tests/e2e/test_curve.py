@@ -65,7 +65,7 @@ def _attack(run_dir: Path, done, report: dict) -> None:
         weights = plain(ctx, zmq.DEALER)
         weights.connect(ep["core_weights"])
         weights.send(wire.encode(wire.PullWeights(min_version=0)))
-        records = plain(ctx, zmq.PUSH)
+        records = plain(ctx, zmq.DEALER)
         records.connect(records_addr)
         records.send(b"\x93\x01\xa5bogus\x80")
         socks += [weights, records]

@@ -2,14 +2,16 @@
 
 The engine is a real aiohttp server speaking SGLang's native ``/generate`` and ``/abort_request``
 (the real engines are built elsewhere; this one plays back scripted outputs). The proxy is the
-real ``ProxyServer`` with its real ZMQ record sink; tests receive CallRecords on a real PULL
-socket and decode them with ``controller.wire``. Clients are the official ``openai`` SDK and
+real ``ProxyServer`` with its real ZMQ record sink; tests receive CallRecords on the processor's
+real ``RecordInbox`` (a ROUTER), acknowledged as they come in unless a test holds the
+acknowledgements back, and decode them with ``controller.wire``. Clients are the official ``openai`` SDK and
 ``http.client``, from the test thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,8 +27,10 @@ from controller import wire
 from controller.typed_config import build
 from harness_proxy.auth import mint_token
 from harness_proxy.config import ProxyConfig
-from harness_proxy.server import ProxyServer, ZmqRecordSink
+from harness_proxy.record_sink import ZmqRecordSink
+from harness_proxy.server import ProxyServer
 from harness_proxy.tokenizer import get_tokenizer
+from trajectory.inbox import RecordInbox
 
 SECRET = b"test-secret-0123456789abcdef"
 TOK = get_tokenizer("qwen_compact", 4096)
@@ -34,7 +38,8 @@ TOK = get_tokenizer("qwen_compact", 4096)
 PROXY_CONFIG = {
     "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536, "read_timeout_s": 30.0,
     "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
-    "retry_attempts": 3, "route_wait_s": 0.3,
+    "retry_attempts": 3, "route_wait_s": 0.3, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
+    "max_unacked_record_bytes": 1 << 30,
 }
 
 
@@ -164,16 +169,65 @@ class ScriptedEngine:
 # ---------------------------------------------------------------- a live proxy
 
 
+class AckingInbox:
+    """The processor's real ``RecordInbox`` on a thread that acknowledges each record as it comes in
+    and queues it for ``recv``. Clear ``acking`` to play a processor that is down: what arrives
+    meanwhile is dropped unacknowledged, as a dead process would drop it."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.inbox = RecordInbox(ctx, "tcp://127.0.0.1:0", only=None)
+        self.addr = self.inbox.addr
+        self.records: queue.Queue[wire.Message] = queue.Queue()
+        self.acking = threading.Event()
+        self.acking.set()
+        self.num_dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._take_records, daemon=True)
+        self._thread.start()
+
+    def _take_records(self) -> None:
+        while not self._stop.is_set():
+            if not self.inbox.poll(20):
+                continue
+            batch = self.inbox.drain(512)
+            if not self.acking.is_set():
+                self.num_dropped += len(batch)
+                continue
+            msgs = [(ident, wire.decode(frame)) for ident, frame in batch]
+            self.inbox.ack(msgs)  # type: ignore[arg-type]
+            for _, msg in msgs:
+                self.records.put(msg)
+
+    def recv(self, timeout_ms: int = 10_000) -> wire.Message:
+        try:
+            return self.records.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            raise AssertionError("no message from the proxy") from None
+
+    def recv_all(self, settle_ms: int = 200) -> list[wire.Message]:
+        out = []
+        while True:
+            try:
+                out.append(self.records.get(timeout=settle_ms / 1000))
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.inbox.close()
+
+
+
 class LiveProxy:
-    """A started ProxyServer with ``num_engines`` scripted engines and a PULL socket for records."""
+    """A started ProxyServer with ``num_engines`` scripted engines and an ``AckingInbox``."""
 
     def __init__(self, *, num_engines: int = 2, **cfg_overrides: Any):
         self.lt = LoopThread()
         self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.records_addr = f"tcp://127.0.0.1:{port}"
+        self.inbox = AckingInbox(self.ctx)
+        self.records_addr = self.inbox.addr
+        self.recv, self.recv_all = self.inbox.recv, self.inbox.recv_all
         self.cfg = proxy_config(**cfg_overrides)
         self.engines = [ScriptedEngine(cell_id=i) for i in range(num_engines)]
         self.routing_version = 0
@@ -185,7 +239,7 @@ class LiveProxy:
         for e in self.engines:
             await e.start()
         self.azctx = zmq.asyncio.Context()
-        self.sink = ZmqRecordSink(self.azctx, self.records_addr)
+        self.sink = ZmqRecordSink(self.azctx, self.records_addr, resend_s=self.cfg.record_resend_s)
         self.sink.start()
         server = ProxyServer(self.cfg, tokenizer=TOK, secret=SECRET, sink=self.sink)
         await server.start()
@@ -204,16 +258,6 @@ class LiveProxy:
             base_url=f"{self.url}/v1", api_key=token or mint_token(SECRET, execution_id), max_retries=0, timeout=30,
         )
 
-    def recv(self, timeout_ms: int = 10_000) -> wire.Message:
-        assert self.pull.poll(timeout_ms), "no message from the proxy"
-        return wire.decode(self.pull.recv())
-
-    def recv_all(self, settle_ms: int = 200) -> list[wire.Message]:
-        out = []
-        while self.pull.poll(settle_ms):
-            out.append(wire.decode(self.pull.recv()))
-        return out
-
     def close(self) -> None:
         async def stop() -> None:
             await self.server.stop()
@@ -224,5 +268,5 @@ class LiveProxy:
 
         self.lt.run(stop())
         self.lt.close()
-        self.pull.close()
+        self.inbox.close()
         self.ctx.term()

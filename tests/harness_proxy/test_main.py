@@ -16,7 +16,7 @@ import zmq
 
 from controller import wire
 from harness_proxy.auth import mint_token, write_secret
-from tests.harness_proxy import PROXY_CONFIG, SECRET, LoopThread, ScriptedEngine
+from tests.harness_proxy import PROXY_CONFIG, SECRET, AckingInbox, LoopThread, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,19 +45,17 @@ def _recv(sock: zmq.Socket, what: str, timeout_ms: int = 20_000) -> list[bytes]:
 @pytest.fixture
 def sockets():
     ctx = zmq.Context()
-    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    for s in (router, pull):
-        s.setsockopt(zmq.LINGER, 0)
+    router, records = ctx.socket(zmq.ROUTER), AckingInbox(ctx)
+    router.setsockopt(zmq.LINGER, 0)
     r_port = router.bind_to_random_port("tcp://127.0.0.1")
-    p_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    yield router, pull, f"tcp://127.0.0.1:{r_port}", f"tcp://127.0.0.1:{p_port}"
+    yield router, records, f"tcp://127.0.0.1:{r_port}", records.addr
     router.close()
-    pull.close()
+    records.close()
     ctx.term()
 
 
 def test_proxy_process_end_to_end(tmp_path, sockets):
-    router, pull, controller, processor = sockets
+    router, records, controller, processor = sockets
     lt = LoopThread()
     engine = ScriptedEngine(cell_id=4, weight_version=7)
     lt.run(engine.start())
@@ -84,12 +82,12 @@ def test_proxy_process_end_to_end(tmp_path, sockets):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=mint_token(SECRET, "ex-main"), max_retries=0, timeout=30)
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert r.choices[0].message.content == "ok"
-        rec = wire.decode(_recv(pull, "CallRecord")[0])
+        rec = records.recv()
         assert isinstance(rec, wire.CallRecord) and rec.call_id == r.id
         assert (rec.execution_id, rec.cell_id, rec.weight_version, rec.call_index) == ("ex-main", 4, 7, 0)
 
         router.send_multipart([ident, wire.encode(wire.SealExecution(execution_id="ex-main"))])
-        assert wire.decode(_recv(pull, "ExecutionSealed")[0]) == wire.ExecutionSealed(execution_id="ex-main", num_calls=1)
+        assert records.recv() == wire.ExecutionSealed(execution_id="ex-main", num_calls=1)
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
 

@@ -1,9 +1,10 @@
 """`python -m trajectory.main` as a real process with real ZMQ sockets, killed and restarted.
 
-The test plays the controller (a ROUTER the processor's DEALER connects to) and the proxy (a
-PUSH connected to the processor's PULL). It SIGKILLs the processor while records stream in,
-restarts it on the same log, and checks that every shard arrives exactly once with the contents
-an in-process Processor computes from the same messages.
+The test plays the controller (a ROUTER the processor's DEALER connects to, answering each shard
+and group with ``Delivered``) and the proxy (a DEALER connected to the processor's records
+ROUTER, resending only what no ``RecordsAck`` covered). It SIGKILLs the processor while records
+stream in, restarts it on the same log, and checks that every shard arrives exactly once with the
+contents an in-process Processor computes from the same messages.
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ import pytest
 import zmq
 
 from controller.typed_config import to_dict
-from controller.wire import ExecutionFacts, GroupDone, Hello, Message, ShardReady, decode, encode
+from controller.wire import (
+    Delivered,
+    ExecutionFacts,
+    GroupDone,
+    Hello,
+    Message,
+    RecordsAck,
+    ShardReady,
+    decode,
+    encode,
+    record_key,
+)
 from tests.trajectory import REPO, algo
 from tests.trajectory.test_processor import feed, group_messages, processor
 
@@ -48,6 +60,7 @@ class Harness:
         self.ident = b""
         self.received: list[Message] = []
         self.facts: list[ExecutionFacts] = []
+        self.acked: set[tuple[str, str]] = set()
 
     def start(self, bind: str) -> str:
         ready = self.tmp / "processor.ready"
@@ -69,7 +82,7 @@ class Harness:
         assert hello == Hello(peer="processor", pid=self.proc.pid)
         self.ident = ident
         if self.push is None:
-            self.push = self.ctx.socket(zmq.PUSH)
+            self.push = self.ctx.socket(zmq.DEALER)
             self.push.setsockopt(zmq.LINGER, 0)
             self.push.connect(records_addr)
         return records_addr
@@ -89,6 +102,13 @@ class Harness:
         for m in messages:
             self.push.send(encode(m))
 
+    def take_acks(self, settle_ms: int = 300) -> None:
+        assert self.push is not None
+        while self.push.poll(settle_ms):
+            ack = decode(self.push.recv())
+            assert isinstance(ack, RecordsAck)
+            self.acked.update(zip(ack.execution_ids, ack.call_ids))
+
     def send_grades(self, messages: list[Message]) -> None:
         for m in messages:
             self.router.send_multipart([self.ident, encode(m)])
@@ -100,6 +120,8 @@ class Harness:
             self.received.append(msg)
             if isinstance(msg, GroupDone):
                 waiting.discard(msg.group_id)
+            self.send_grades([Delivered(shard_ids=[msg.shard.shard_id]) if isinstance(msg, ShardReady)
+                              else Delivered(group_ids=[msg.group_id])])
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -134,17 +156,19 @@ def test_sigkill_mid_stream_then_restart_every_shard_exactly_once(harness: Harne
     r3, s3, _ = groups["g3"]
     r4, _, _ = groups["g4"]
     harness.send_records(r3 + s3[:1] + r4[:3])
+    harness.take_acks()
+    assert {record_key(m) for m in r3 + s3[:1] + r4[:3]} <= harness.acked  # acked: in the log
     assert harness.proc is not None
     harness.proc.send_signal(signal.SIGKILL)
     harness.proc.wait()
 
     harness.start(records_addr)  # same port: the proxy's PUSH reconnects by itself
-    # The controller resends the grades of open groups, the proxy the records it cannot know
-    # were persisted: all idempotent.
+    # The controller resends the grades of open groups (idempotent), the proxy only what was not
+    # acknowledged: what was is in the log, and the restart replays it.
     harness.send_grades([g for name in ("g3", "g4") for g in groups[name][2]])
     for g in ("g3", "g4"):
         records, seals, _ = groups[g]
-        harness.send_records(records + seals)
+        harness.send_records([m for m in records + seals if record_key(m) not in harness.acked])
     harness.collect_until_done({"g3", "g4"})
 
     got_shards = Counter(m.shard.shard_id for m in harness.received if isinstance(m, ShardReady))

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.wire import (
+    Delivered,
     ErrorReply,
     ExecutionSealed,
     Grade,
@@ -213,7 +214,7 @@ def test_after_a_restart_emitted_groups_are_not_sent_again(tmp_path: Path) -> No
     first = service(tmp_path)
     assert first.replay() == []
     sent = first.on_record_frames(frames_of(r1 + s1 + r2[:3])) + first.on_control_frames(frames_of(g1 + g2))
-    first.mark_sending(sent)
+    first.mark_delivered(sent)
     assert shards_of(sent) == shards_of(reference)[:1]
     first.log.close()  # the process dies here
 
@@ -236,9 +237,33 @@ def test_a_group_completed_but_not_marked_is_sent_after_a_restart(tmp_path: Path
     second = service(tmp_path)
     owed = second.replay()
     assert owed == sent
-    second.mark_sending(owed)
+    second.mark_delivered(owed)
     second.log.close()
     assert service(tmp_path).replay() == []
+
+
+def test_a_group_stays_owed_until_the_controller_has_every_message(tmp_path: Path) -> None:
+    r, s, g = group_messages("g", [1.0, 0.0])
+    first = service(tmp_path)
+    first.replay()
+    sent = first.on_record_frames(frames_of(r + s)) + first.on_control_frames(frames_of(g))
+    first.sending(sent, now=100.0)
+    shards = shards_of(sent)
+    assert len(shards) >= 1 and isinstance(sent[-1], GroupDone)
+    assert first.due_resends(105.0, after_s=10.0) == []
+    assert first.due_resends(111.0, after_s=10.0) == sent  # no Delivered in time: all of it again
+    # The controller took the shards but not (yet) the GroupDone: still owed, even after a restart.
+    first.on_control_frames(frames_of([Delivered(shard_ids=[x.shard_id for x in shards])]))
+    assert first.due_resends(200.0, after_s=10.0) == [sent[-1]]
+    first.log.close()
+    second = service(tmp_path)
+    assert second.replay() == sent  # the controller drops the shards it has, by id
+    second.sending(sent)
+    second.on_control_frames(frames_of([Delivered(shard_ids=[x.shard_id for x in shards], group_ids=["g"]),
+                                        Delivered(group_ids=["g", "unknown"])]))  # acks twice: harmless
+    assert second.owed == {}
+    second.log.close()
+    assert service(tmp_path).replay() == []  # delivered: never sent again
 
 
 def test_a_torn_log_tail_loses_only_the_unacknowledged_frame(tmp_path: Path) -> None:

@@ -170,7 +170,7 @@ def test_a_restart_resends_only_what_was_not_marked(tmp_path: Path) -> None:
     sent = first.on_record_frames(frames_of(records + seals[:2]))
     sent += first.on_control_frames(frames_of(grades[:1]))
     assert executions_of(sent) == ["g-e0"]
-    first.mark_sending(sent)
+    first.mark_delivered(sent)
     unsent = first.on_control_frames(frames_of(grades[1:2]))
     assert executions_of(unsent) == ["g-e1"]
     first.log.close()  # killed before g-e1's marker: it never went out
@@ -179,14 +179,14 @@ def test_a_restart_resends_only_what_was_not_marked(tmp_path: Path) -> None:
     owed = second.replay()
     assert owed == unsent
     assert second.counters.num_executions_replayed == 1  # g-e0: not even rebuilt
-    second.mark_sending(owed)
+    second.mark_delivered(owed)
     # The controller resends its grades, the proxy its records and seals: all ignored.
     assert second.on_control_frames(frames_of(grades[:2])) == []
     assert second.on_record_frames(frames_of(records + seals[:2])) == []
     last = second.on_record_frames(frames_of(seals[2:])) + second.on_control_frames(frames_of(grades[2:]))
     assert last == reference[-len(last):] and executions_of(last) == ["g-e2"]
     assert group_done(last) == group_done(reference)  # once, and as without the restart
-    second.mark_sending(last)
+    second.mark_delivered(last)
     second.log.close()
 
     third = run_service(tmp_path)
@@ -200,13 +200,13 @@ def test_a_group_completed_in_the_log_sends_its_unmarked_part_only(tmp_path: Pat
     first.replay()
     out = first.on_record_frames(frames_of(records + seals)) + first.on_control_frames(frames_of(grades))
     assert executions_of(out) == ["g-e0", "g-e1", "g-e2"] and isinstance(out[-1], GroupDone)
-    first.mark_sending(out[:2])  # killed after marking g-e0 and g-e1, before g-e2 and the GroupDone
+    first.mark_delivered(out[:2])  # killed after marking g-e0 and g-e1, before g-e2 and the GroupDone
     first.log.close()
 
     second = run_service(tmp_path)
     owed = second.replay()
     assert owed == out[2:]  # g-e2's shard, then the GroupDone: never g-e0 or g-e1 again
-    second.mark_sending(owed)
+    second.mark_delivered(owed)
     second.log.close()
     assert run_service(tmp_path).replay() == []
 
@@ -217,7 +217,7 @@ def test_a_split_execution_logs_one_marker(tmp_path: Path) -> None:
     svc.replay()
     out = svc.on_record_frames(frames_of(records + seals)) + svc.on_control_frames(frames_of(grades))
     assert len(shards_of(out)) == 4  # two per execution
-    svc.mark_sending(out)
+    svc.mark_delivered(out)
     markers = [m for m in map(decode_marker, svc.log.scan()) if m is not None]
     assert [(m.kind, m.fields) for m in markers] == [
         ("execution_sent", {"execution_id": "g-e0"}),

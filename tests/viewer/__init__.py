@@ -47,7 +47,7 @@ def write_run(
     svc.replay()
     out = svc.on_record_frames([wire.encode(m) for m in records])
     out += svc.on_control_frames([wire.encode(g) for g in grades])
-    svc.mark_sending(out)
+    svc.mark_delivered(out)
     svc.log.close()
     with open(run_dir / "metrics.jsonl", "a") as f:
         for g in grades:

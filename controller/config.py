@@ -60,6 +60,10 @@ class ClusterConfig:
     heartbeat_timeout_s: float
     """A cell silent this long is dropped and its work re-routed."""
     start_timeout_s: float
+    service_restarts: int
+    """Times the controller restarts a dead trajectory processor in place (same records address;
+    it replays its log, the proxy resends what it had not acknowledged, the controller its open
+    grades) before the run stops with the reason."""
     drain_timeout_s: float
     """A cell turning to training lets in-flight calls finish this long, then aborts them (the
     proxy re-routes them)."""
@@ -81,6 +85,8 @@ class ClusterConfig:
     def check(self) -> None:
         if self.num_cells < 1:
             raise ValueError("num_cells: want >= 1")
+        if self.service_restarts < 0:
+            raise ValueError("service_restarts: want >= 0")
         if self.microsteps_in_flight < 1:
             raise ValueError("microsteps_in_flight: want >= 1")
         if self.ranks_per_node < 1:

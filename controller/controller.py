@@ -123,6 +123,12 @@ class Controller:
         self.num_bad_frames = 0
         self.num_groups_dropped = 0
         self.identities: dict[str, bytes] = {}
+        # Grades the processor may not have logged yet, resent when a restarted processor says
+        # Hello; one leaves when the processor says it has it (ExecutionFacts, GroupDone).
+        self.grades_owed: dict[str, wire.Grade] = {}
+        self.delivered = wire.Delivered()  # what the processor sent that we took, acknowledged per tick
+        self.records_addr = ""
+        self.processor_restarts = 0
         self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
         self.t0 = time.monotonic()
         self.next_progress = 0.0
@@ -131,16 +137,11 @@ class Controller:
 
     def start(self) -> None:
         c = self.cfg
-        proc_ready = self._start_child(
-            "processor", "trajectory.main",
-            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", f"tcp://{self.host}:0", "--log-dir", str(self.attempt_dir("processor")),
-             *self.curve_args()],
-        )
+        self.records_addr = self.start_processor(f"tcp://{self.host}:0")
         proxy_ready = self._start_child(
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
-            ["--processor", proc_ready["records_addr"], "--secret-file", str(self.secret_file()),
+            ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
              "--unix-socket", str(self.proxy_socket_path()), *self.curve_args(), *self.engine_key_args()],
         )
         self.proxy_url = proxy_ready["url"]
@@ -201,6 +202,17 @@ class Controller:
             if not cell.is_core:
                 self.send_to(f"cell-{cell.cell_id}",
                              wire.LoadWeights(weight_version=version, core_weights_addr=self.core_addr()))
+
+    def start_processor(self, records_addr: str) -> str:
+        """Start the trajectory processor with its records socket on ``records_addr``; return the
+        address it bound (the port resolved), where the proxy sends."""
+        c = self.cfg
+        ready = self._start_child(
+            "processor", "trajectory.main",
+            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
+            ["--bind-records", records_addr, "--log-dir", str(self.attempt_dir("processor")), *self.curve_args()],
+        )
+        return ready["records_addr"]
 
     def _start_child(self, name: str, module: str, config: dict, extra: list[str]) -> dict:
         cfg_path = self._write_json(f"{name}.json", config)
@@ -281,6 +293,7 @@ class Controller:
 
     def tick(self) -> None:
         self._drain_socket(timeout_ms=20)
+        self.send_delivered()
         now = time.monotonic()
         for ex in self.executions.poll(now):
             self.on_execution_ended(ex)
@@ -344,6 +357,13 @@ class Controller:
         else:
             handler(ident, msg)
 
+    def send_delivered(self) -> None:
+        """Tell the processor which of its shards and GroupDones we took (duplicates included), so
+        it logs them as delivered and never sends them again."""
+        if self.delivered.shard_ids or self.delivered.group_ids:
+            self.send_to("processor", self.delivered)
+            self.delivered = wire.Delivered()
+
     def on_hello(self, ident: bytes, msg: wire.Hello, sender: str | None = None) -> None:
         name = msg.peer if msg.peer != "cell" else f"cell-{msg.cell_id}"
         if msg.peer == "cell" and msg.cell_id not in self.cells.cells:
@@ -361,6 +381,12 @@ class Controller:
             self.ident_names.pop(old, None)
         self.identities[name] = ident
         self.ident_names[ident] = name
+        if name == "processor" and old is not None and self.grades_owed:
+            # A restarted processor: it replayed its log; what it may not have logged, it gets
+            # again (it drops grades it has by execution).
+            log.info("processor back: resending %d grade(s) it may not have logged", len(self.grades_owed))
+            for grade in list(self.grades_owed.values()):
+                self.send_to("processor", grade)
 
     def _cell(self, ident: bytes, cell_id: int) -> Cell | None:
         cell = self.cells.cells.get(cell_id)
@@ -407,7 +433,7 @@ class Controller:
             if shard is not None:
                 self.step_figures.on_microstep(msg)
             self.metrics.log("microstep", t=time.monotonic() - self.t0, cell=msg.cell_id, step=msg.step,
-                             fb_s=msg.fb_s, num_tokens=msg.num_tokens, mean_ratio=msg.mean_ratio,
+                             shard=msg.shard_id, fb_s=msg.fb_s, num_tokens=msg.num_tokens, mean_ratio=msg.mean_ratio,
                              clip_fraction=msg.clip_fraction, kl=msg.kl,
                              run_released=shard is not None and shard.run_released)
 
@@ -450,10 +476,17 @@ class Controller:
 
     def on_shard_ready(self, ident: bytes, msg: wire.ShardReady) -> None:
         if self._is_peer(ident, "processor"):
-            self.steps.on_shard(msg.shard)
+            self.steps.on_shard(msg.shard)  # a resend is dropped there, by shard id
+            self.delivered.shard_ids.append(msg.shard.shard_id)
 
     def on_group_done(self, ident: bytes, msg: wire.GroupDone) -> None:
         if not self._is_peer(ident, "processor"):
+            return
+        self.delivered.group_ids.append(msg.group_id)
+        for eid in [e for e, g in self.grades_owed.items() if g.group_id == msg.group_id]:
+            del self.grades_owed[eid]
+        if not self.steps.is_new_group(msg):
+            log.warning("group %s of step %d taken before: a resend; dropped", msg.group_id, msg.step)
             return
         last_end = self.group_last_end.pop(msg.group_id, None)
         # From the group's last run ending to its shard reaching us: grading, tree building, packing
@@ -485,6 +518,7 @@ class Controller:
         if not self._is_peer(ident, "processor"):
             return
         self.facts_seen.add(msg.execution_id)
+        self.grades_owed.pop(msg.execution_id, None)  # facts come once its grade is in the processor's log
         ex = self.executions.executions.get(msg.execution_id) if self.executions else None
         if ex is not None and ex.train:
             self.step_figures.on_facts(ex.step, msg)
@@ -578,10 +612,12 @@ class Controller:
             self.last_execution_error = f"{ex.execution_id}: {ex.error[:500]}"
         if ex.train:  # the processor answers a training group with GroupDone, which takes this out
             self.group_last_end[ex.group_id] = max(ex.ended_at, self.group_last_end.get(ex.group_id, 0.0))
-        self.send_to("processor", wire.Grade(
+        grade = wire.Grade(
             execution_id=ex.execution_id, group_id=ex.group_id, step=ex.step, group_size=ex.group_size,
             outcome=ex.outcome, reward=ex.reward, train=ex.train,
-        ))
+        )
+        self.grades_owed[ex.execution_id] = grade
+        self.send_to("processor", grade)
         self.send_to("proxy", wire.SealExecution(execution_id=ex.execution_id))
 
     # ================================================================ cells, roles, steps
@@ -611,12 +647,24 @@ class Controller:
                     f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
 
     def check_services(self) -> None:
-        """The processor and the proxy are single processes the run cannot go on without: one that
-        exits stops the run at once with the reason, never a silent hang. The run folder keeps the
-        checkpoints, so the same ``run.run_id`` resumes from the newest."""
+        """A dead processor is restarted in place (``cluster.service_restarts`` times): on the same
+        records address, so the proxy's resends reach it; it replays its log, and gets the grades
+        again on its Hello. A dead proxy, or a processor past its restarts, stops the run at once
+        with the reason, never a silent hang; the same ``run.run_id`` resumes from the newest
+        checkpoint."""
         for name in ("processor", "proxy"):
             proc = self.children.get(name)
             if proc is None or proc.poll() is None:
+                continue
+            if name == "processor" and self.processor_restarts < self.cfg.cluster.service_restarts:
+                self.processor_restarts += 1
+                why = f"exited with {proc.returncode}"
+                log.error("the processor %s; restarting it in place (%d of %d); its log ends:\n%s", why,
+                          self.processor_restarts, self.cfg.cluster.service_restarts,
+                          log_tail(self.log_dir, name, 8))
+                self.metrics.log("service_restarted", t=time.monotonic() - self.t0, service=name, why=why,
+                                 restarts=self.processor_restarts)
+                self.start_processor(self.records_addr)
                 continue
             raise RunFailed(
                 f"the {name} exited with {proc.returncode}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"

@@ -31,6 +31,9 @@ class StepState:
     groups: dict[str, GroupStats] = field(default_factory=dict)
     """Each closed group's advantage statistics (or ``dropped``), for the cells' run-released shards."""
     ready: deque[Shard] = field(default_factory=deque)
+    shard_ids: set[str] = field(default_factory=set)
+    """Every shard taken for this step: a resent one (the processor restarted before it logged our
+    ``Delivered``) is dropped by id, never trained twice."""
     running: dict[str, tuple[int, Shard]] = field(default_factory=dict)  # shard_id -> (cell, shard)
     done_by_cell: dict[int, list[Shard]] = field(default_factory=dict)
     grads_wanted: set[int] = field(default_factory=set)
@@ -68,13 +71,29 @@ class StepCoordinator:
 
     def on_shard(self, shard: Shard) -> None:
         st = self.steps.get(shard.step)
-        if st is None or shard.step < self.version:
+        if shard.step < self.version:
+            log.warning("shard %s for step %d, already applied (version %d): a resend; dropped",
+                        shard.shard_id, shard.step, self.version)
+            return
+        if st is None:
             log.error("shard %s for step %d which is not open (version %d); dropped", shard.shard_id, shard.step, self.version)
             return
+        if shard.shard_id in st.shard_ids:
+            log.warning("shard %s of step %d taken before: a resend; dropped", shard.shard_id, shard.step)
+            return
+        st.shard_ids.add(shard.shard_id)
         if not _trainable(st, shard):
             log.info("shard %s of dropped group %s: not trained", shard.shard_id, shard.group_id)
             return
         st.ready.append(shard)
+
+    def is_new_group(self, msg: GroupDone) -> bool:
+        """False for a GroupDone taken before (a resend after a processor restart) or of a step
+        already applied."""
+        st = self.steps.get(msg.step)
+        if st is None:
+            return msg.step >= self.version
+        return msg.group_id not in st.groups
 
     def on_group_done(self, msg: GroupDone) -> bool:
         """Count a finished group; True if it was dropped (the caller may plan a replacement)."""

@@ -1,9 +1,12 @@
 """SIGKILL the trajectory processor, the harness proxy, the core cell or the controller at a
-random moment of a run: the run stops at once with the reason and how to resume (never a silent hang; a dead
-controller leaves no process of the run behind), and the same ``run.run_id`` resumes from the
-newest checkpoint and finishes, each weight version of the final line applied once.
+random moment of a run.
 
-(Restarting either in place, with nothing lost, is issue 21's next step; this is the floor.)"""
+- The processor is restarted in place and the run finishes: every weight version applied once,
+  every call of every sealed execution in the processor's log, no shard trained twice.
+- The proxy, the core or the controller: the run stops at once with the reason and how to resume
+  (never a silent hang; a dead controller leaves no process of the run behind), and the same
+  ``run.run_id`` resumes from the newest checkpoint and finishes, each weight version of the final
+  line applied once. (Restarting the proxy in place is still to come.)"""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from controller import wire
 from tests.e2e import metrics, start_gyre
+from trajectory.log import AppendLog, decode_marker
 
 STEPS = 6
 
@@ -41,9 +46,50 @@ def kill_at_random(run_dir: Path, module: str, rng: random.Random, deadline: flo
     raise AssertionError(f"no {module} process of {run_dir} found")
 
 
+def processor_log(run_dir: Path) -> list[wire.Message]:
+    log = AppendLog(run_dir / "processor" / "processor.log", fsync=False)
+    try:
+        return [wire.decode(p) for p in log.scan() if decode_marker(p) is None]
+    finally:
+        log.close()
+
+
+@pytest.mark.e2e
+def test_a_killed_processor_is_restarted_in_place_and_nothing_is_lost(tmp_path):
+    runs, run_id = tmp_path / "runs", "kill-processor"
+    run_dir = runs / run_id
+    proc = attempt(runs, run_id)
+    try:
+        killed = kill_at_random(run_dir, "trajectory.main", random.Random(), time.monotonic() + 300)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    restarts = metrics(run_dir, "service_restarted")
+    assert [(e["service"], e["why"]) for e in restarts] == [("processor", "exited with -9")], killed
+    # every weight version applied once, in order
+    assert [e["weight_version"] for e in metrics(run_dir, "step")] == list(range(1, STEPS + 1))
+    # no shard trained twice (no cell was lost, so no microstep was re-run)
+    trained = [(e["step"], e["shard"]) for e in metrics(run_dir, "microstep")]
+    assert trained and len(trained) == len(set(trained))
+    # every call of every sealed execution is in the processor's log, once per call id
+    logged = processor_log(run_dir)
+    calls: dict[str, set[str]] = {}
+    for m in logged:
+        if isinstance(m, wire.CallRecord):
+            calls.setdefault(m.execution_id, set()).add(m.call_id)
+    seals = {m.execution_id: m.num_calls for m in logged if isinstance(m, wire.ExecutionSealed)}
+    assert seals and {e: len(calls.get(e, ())) for e in seals} == seals
+    # every training run that finished was sealed and graded in the log
+    finished = {e["id"] for e in metrics(run_dir, "execution") if e["train"] and e["outcome"] == "finished"}
+    graded = {m.execution_id for m in logged if isinstance(m, wire.Grade)}
+    assert finished and finished <= seals.keys() and finished <= graded
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,module,also", [
-    ("processor", "trajectory.main", ()), ("proxy", "harness_proxy.main", ()),
+    ("proxy", "harness_proxy.main", ()),
     # The core owns the optimizer state no satellite holds: the run resumes from its checkpoint.
     ("core cell 0", "cellrunner.main", ("--cell-id 0",)),
 ])

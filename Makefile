@@ -101,6 +101,7 @@ bench: venv litellm
 	$(BIN)/python -m bench.proxy
 	$(BIN)/python -m bench.proxy_load
 	$(BIN)/python -m bench.wire_fuzz --cases 10000
+	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
 	$(BIN)/python -m bench.elastic --scale 2

@@ -15,7 +15,9 @@ With ``--think-median-s`` > 0 it also spends *think time* after each write, as a
 tools: the run's total is log-normal around the median (``--think-sigma``), capped at
 ``--think-max-s``, a function of (``--think-seed``, the workspace folder's name, which is the
 execution id) only, and split evenly over ``--max-turns``; ``think_times`` is that function, so a
-simulator can replay a run's lengths exactly. It prints ``harness: think <s>s over <n> turns``.
+simulator can replay a run's lengths exactly. It prints ``harness: think <s>s over <n> turns``,
+and ``harness: answered <id>`` for each completion it got (its ``id``: the proxy's call id), so a
+run can check that every call a harness was answered is in the processor's log (``bench.soak``).
 
 Standard library only, and no Gyre imports: it is a stand-in for a third-party harness, and it
 starts in tens of milliseconds. Exit codes: 0 done; 2 a bad task file or an HTTP/API error
@@ -136,9 +138,11 @@ def chat(args: argparse.Namespace, messages: list[dict[str, str]]) -> str:
 
 def _reply_text(url: str, raw: bytes) -> str:
     try:
-        content = json.loads(raw)["choices"][0]["message"].get("content")
+        completion = json.loads(raw)
+        content = completion["choices"][0]["message"].get("content")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise HarnessError(f"POST {url}: not a chat completion: {raw[:200]!r}") from None
+    print(f"harness: answered {completion.get('id')}", flush=True)
     if content is None:
         return ""
     if not isinstance(content, str):

@@ -241,14 +241,15 @@ def test_think_time_runs_after_each_write_and_is_announced(tmp_path: Path, serve
     proc = _run(ws, server.port, max_turns=2, extra=("--think-median-s", "0.6", "--think-sigma", "0"))
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "harness: think 0.600s over 2 turns"
+    assert proc.stdout.splitlines() == ["harness: think 0.600s over 2 turns", "harness: answered chatcmpl-1",
+                                        "harness: answered chatcmpl-2"]
     assert len(server.requests) == 2 and elapsed >= 0.6  # 0.3 s after each of the two writes
 
 
 def test_no_think_time_by_default(tmp_path: Path, serve):
     server = serve(Reply(text="a"))
     proc = _run(_workspace(tmp_path), server.port, max_turns=1)
-    assert proc.returncode == 0 and proc.stdout == ""
+    assert proc.returncode == 0 and proc.stdout == "harness: answered chatcmpl-1\n"  # no think line
 
 
 @pytest.mark.parametrize("bad", [("--think-median-s", "-1"), ("--think-max-s", "0"), ("--think-sigma", "-0.5"),

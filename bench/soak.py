@@ -1,0 +1,299 @@
+"""bench.soak: the embedded default trained for a long while as a chaos loop SIGKILLs one of its
+processes every 20-60 s, then checked for what must hold whatever was killed.
+
+    python -m bench.soak                       # 30 minutes (make bench)
+    python -m bench.soak --minutes 3 --kill-every 5,10   # a short look
+
+The run is one ``run.run_id``. Victims, drawn at random among those alive: the trajectory
+processor (the controller restarts it in place), the harness proxy, the core cell, a satellite
+cell (dropped in place), or the controller itself. A kill the run cannot ride out stops that
+attempt with the reason; the soak then starts the same ``run.run_id`` again, which resumes from
+the newest checkpoint (as an operator, or a requeued Slurm job, would). After ``--minutes`` the
+chaos stops, the attempt in flight is stopped, and a last attempt trains two more steps and runs
+the end eval.
+
+Prints one JSON object last:
+
+- ``kills`` (and ``kills_by_kind``), ``attempts``;
+- ``versions_applied_once``: each attempt applies consecutive versions from where it resumed,
+  and the run's final line of versions (each attempt's, cut where the next resumed) is 1..N, once
+  each (a checkpoint one past an attempt's last logged step counts: the core applied and saved it);
+- ``records_lost``: calls a harness was answered (its ``harness: answered <id>`` lines, in every
+  attempt's workspaces) whose CallRecord is in no attempt's processor log (``answered_calls``);
+- ``shards_trained_twice``: per applied step, shards trained more than once by the cells whose
+  gradients the step counted (a lost cell's microsteps are trained again and not counted twice);
+- ``eval_reward_end``: the last attempt's end eval; ``final_version``; ``orphans``: processes
+  of a dead attempt still alive 60 s after it ended (killed then, and counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from controller import wire
+from trajectory.log import AppendLog, decode_marker
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = (
+    "workload.groups_per_step=2", "workload.group_size=4", "workload.min_usable_per_group=2",
+    "workload.num_eval_tasks=4", "run.progress_every_s=30", "run.checkpoint_every=1",
+    "run.eval_at_start=false", "run.eval_at_end=false",
+)
+LONG_RUN_STEPS = 100_000
+"""Steps of a chaos attempt: more than 30 minutes can train, so the chaos ends them, not the count."""
+ORPHAN_GRACE_S = 60.0
+KINDS = ("processor", "proxy", "core", "satellite", "controller")
+
+
+class Soak:
+    def __init__(self, runs: Path, run_id: str, rng: random.Random):
+        self.runs, self.run_id, self.rng = runs, run_id, rng
+        self.run_dir = runs / run_id
+        self.proc: subprocess.Popen | None = None
+        self.attempts: list[dict[str, Any]] = []
+        self.kills: list[dict[str, Any]] = []
+        self.orphans = 0
+        self.lock = threading.Lock()
+
+    # -------------------------------------------------------------- attempts
+
+    def start(self, *extra: str) -> None:
+        metrics = self.run_dir / "metrics.jsonl"
+        start_line = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        argv = [sys.executable, "-m", "controller.main", f"run.runs_dir={self.runs}", f"run.run_id={self.run_id}",
+                *OVERRIDES, *extra]
+        log = open(self.runs / f"attempt{len(self.attempts)}.log", "wb")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.attempts.append({"start_line": start_line, "pid": self.proc.pid, "extra": list(extra)})
+
+    def end_attempt(self) -> None:
+        """Wait for what is left of the attempt to exit (a dead controller's children leave on
+        their own); kill and count what is still there after ORPHAN_GRACE_S."""
+        assert self.proc is not None
+        rc = self.proc.wait()
+        self.attempts[-1]["rc"] = rc
+        deadline = time.monotonic() + ORPHAN_GRACE_S
+        while (left := self.run_processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for p in self.run_processes():
+            self.orphans += 1
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def run_processes(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(self.run_dir) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
+                out.append(p)
+        return out
+
+    # -------------------------------------------------------------- chaos
+
+    def victims(self) -> dict[str, list[psutil.Process]]:
+        found: dict[str, list[psutil.Process]] = {k: [] for k in KINDS}
+        if self.proc is None or self.proc.poll() is not None:
+            return found
+        found["controller"].append(psutil.Process(self.proc.pid))
+        for p in self.run_processes():
+            cmd = p.info["cmdline"] or []
+            if "trajectory.main" in cmd:
+                found["processor"].append(p)
+            elif "harness_proxy.main" in cmd:
+                found["proxy"].append(p)
+            elif "cellrunner.main" in cmd and "--cell-id" in cmd:
+                found["core" if cmd[cmd.index("--cell-id") + 1] == "0" else "satellite"].append(p)
+        return found
+
+    def kill_one(self, t0: float) -> None:
+        alive = {k: ps for k, ps in self.victims().items() if ps}
+        if not alive:
+            return
+        kind = self.rng.choice(sorted(alive))
+        victim = self.rng.choice(alive[kind])
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            return
+        with self.lock:
+            self.kills.append({"t": round(time.monotonic() - t0, 1), "kind": kind, "attempt": len(self.attempts) - 1})
+        print(f"soak: {time.monotonic() - t0:7.1f}s killed the {kind} (pid {victim.pid})", file=sys.stderr, flush=True)
+
+    def chaos(self, t0: float, deadline: float, every: tuple[float, float], stop: threading.Event) -> None:
+        while not stop.wait(self.rng.uniform(*every)) and time.monotonic() < deadline:
+            self.kill_one(t0)
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def events_by_attempt(run_dir: Path, attempts: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out = []
+    for i, a in enumerate(attempts):
+        end = attempts[i + 1]["start_line"] if i + 1 < len(attempts) else len(lines)
+        events = []
+        for line in lines[a["start_line"]:end]:
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a kill
+        out.append(events)
+    return out
+
+
+def check_versions(slices: list[list[dict[str, Any]]]) -> tuple[bool, list[int], list[str]]:
+    line: list[int] = []
+    problems = []
+    for i, events in enumerate(slices):
+        resumed = [e["weight_version"] for e in events if e.get("kind") == "resumed"]
+        start = resumed[0] if resumed else 0
+        if start > len(line) + 1:
+            problems.append(f"attempt {i} resumed at {start}, its predecessor logged {len(line)}")
+        line = line[:start] + list(range(len(line) + 1, start + 1))  # the one applied and saved, unlogged
+        versions = [e["weight_version"] for e in events if e.get("kind") == "step"]
+        if versions != list(range(start + 1, start + 1 + len(versions))):
+            problems.append(f"attempt {i} from {start} applied {versions}")
+        line += versions
+    ok = not problems and line == list(range(1, len(line) + 1))
+    return ok, line, problems
+
+
+def shards_trained_twice(slices: list[list[dict[str, Any]]]) -> int:
+    twice = 0
+    for events in slices:
+        micro: dict[int, list[tuple[int, str]]] = {}
+        for e in events:
+            if e.get("kind") == "microstep":
+                micro.setdefault(e["step"], []).append((e["cell"], e["shard"]))
+        for e in events:
+            if e.get("kind") == "step":
+                counted = Counter(shard for cell, shard in micro.get(e["step"], []) if cell in e["trainers"])
+                twice += sum(n - 1 for n in counted.values() if n > 1)
+    return twice
+
+
+def answered_calls(run_dir: Path) -> set[str]:
+    ids = set()
+    for log in run_dir.glob("work*/*/stdout.log"):
+        ids.update(re.findall(r"^harness: answered (\S+)$", log.read_text(errors="replace"), re.MULTILINE))
+    return ids
+
+
+def logged_calls(run_dir: Path) -> set[str]:
+    ids = set()
+    for path in run_dir.glob("processor*/processor.log"):
+        log = AppendLog(path, fsync=False)
+        try:
+            for payload in log.scan():
+                if decode_marker(payload) is None:
+                    msg = wire.decode(payload)
+                    if isinstance(msg, wire.CallRecord):
+                        ids.add(msg.call_id)
+        finally:
+            log.close()
+    return ids
+
+
+def latest_version(run_dir: Path) -> int:
+    from controller.checkpoints import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    return ckpt.version if ckpt else 0
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--kill-every", default="20,60", help="seconds between kills: LOW,HIGH (uniform)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs-dir", type=Path, default=None, help="default: a temporary folder, removed")
+    ap.add_argument("--keep", action="store_true", help="keep the run folder (with --runs-dir it is always kept)")
+    args = ap.parse_args(argv)
+    low, high = (float(x) for x in args.kill_every.split(","))
+    if not 0 < low <= high or args.minutes <= 0:
+        ap.error("--kill-every LOW,HIGH with 0 < LOW <= HIGH, and --minutes > 0")
+    tmp = None
+    runs = args.runs_dir
+    if runs is None:
+        tmp = tempfile.mkdtemp(prefix="bench-soak-", dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None)
+        runs = Path(tmp)
+    runs.mkdir(parents=True, exist_ok=True)
+    soak = Soak(runs.resolve(), f"soak-{args.seed}-{int(time.time())}", random.Random(args.seed))
+    t0 = time.monotonic()
+    deadline = t0 + args.minutes * 60
+    stop = threading.Event()
+    chaos = threading.Thread(target=soak.chaos, args=(t0, deadline, (low, high), stop), daemon=True)
+    try:
+        soak.start(f"run.steps={LONG_RUN_STEPS}")
+        chaos.start()
+        while time.monotonic() < deadline:
+            assert soak.proc is not None
+            if soak.proc.poll() is None:
+                time.sleep(0.5)
+                continue
+            soak.end_attempt()
+            print(f"soak: {time.monotonic() - t0:7.1f}s attempt {len(soak.attempts) - 1} ended "
+                  f"{soak.attempts[-1]['rc']}; resuming", file=sys.stderr, flush=True)
+            soak.start(f"run.steps={LONG_RUN_STEPS}")
+        stop.set()
+        chaos.join()
+        assert soak.proc is not None
+        if soak.proc.poll() is None:
+            soak.proc.send_signal(signal.SIGKILL)  # the end of the chaos, not a kill of it
+        soak.end_attempt()
+        final_steps = latest_version(soak.run_dir) + 2
+        soak.start(f"run.steps={final_steps}", "run.eval_at_end=true")
+        soak.end_attempt()
+        slices = events_by_attempt(soak.run_dir, soak.attempts)
+        ok, line, problems = check_versions(slices)
+        answered, logged = answered_calls(soak.run_dir), logged_calls(soak.run_dir)
+        evals = [e for e in slices[-1] if e.get("kind") == "eval"]
+        result = {
+            "kills": len(soak.kills), "kills_by_kind": dict(Counter(k["kind"] for k in soak.kills)),
+            "attempts": len(soak.attempts), "attempt_exit_codes": [a.get("rc") for a in soak.attempts],
+            "versions_applied_once": ok, "version_problems": problems[:5], "final_version": len(line),
+            "records_lost": len(answered - logged), "answered_calls": len(answered),
+            "shards_trained_twice": shards_trained_twice(slices),
+            "processor_restarts": sum(1 for s in slices for e in s if e.get("kind") == "service_restarted"),
+            "eval_reward_end": evals[-1].get("reward") if evals else None,
+            "last_attempt_rc": soak.attempts[-1].get("rc"), "orphans": soak.orphans,
+            "minutes": round((time.monotonic() - t0) / 60, 1), "run_dir": str(soak.run_dir),
+        }
+    finally:
+        stop.set()
+        if soak.proc is not None and soak.proc.poll() is None:
+            soak.proc.kill()
+        for p in soak.run_processes():
+            p.kill()
+        if tmp is not None and not args.keep:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -129,6 +129,8 @@ class Controller:
         self.delivered = wire.Delivered()  # what the processor sent that we took, acknowledged per tick
         self.records_addr = ""
         self.processor_restarts = 0
+        self.service_seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
+        self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
         self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
         self.t0 = time.monotonic()
         self.next_progress = 0.0
@@ -142,7 +144,8 @@ class Controller:
             "proxy", "harness_proxy.main",
             {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
             ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
-             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args(), *self.engine_key_args()],
+             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args(), *self.engine_key_args(),
+             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
         )
         self.proxy_url = proxy_ready["url"]
         unix_socket = proxy_ready.get("unix_socket")
@@ -210,7 +213,8 @@ class Controller:
         ready = self._start_child(
             "processor", "trajectory.main",
             {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", records_addr, "--log-dir", str(self.attempt_dir("processor")), *self.curve_args()],
+            ["--bind-records", records_addr, "--log-dir", str(self.attempt_dir("processor")), *self.curve_args(),
+             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
         )
         return ready["records_addr"]
 
@@ -341,6 +345,7 @@ class Controller:
             return
         handler = {
             wire.Hello: self.on_hello, wire.CellReady: self.on_cell_ready, wire.Heartbeat: self.on_heartbeat,
+            wire.ServiceHeartbeat: self.on_service_heartbeat,
             wire.RoleSwitched: self.on_role_switched, wire.MicrostepDone: self.on_microstep_done,
             wire.GradsSent: self.on_grads_sent, wire.StepApplied: self.on_step_applied,
             wire.WeightsLoaded: self.on_weights_loaded, wire.ShardReady: self.on_shard_ready,
@@ -381,6 +386,8 @@ class Controller:
             self.ident_names.pop(old, None)
         self.identities[name] = ident
         self.ident_names[ident] = name
+        if name in ("processor", "proxy"):
+            self.service_seen[name] = time.monotonic()
         if name == "processor" and old is not None and self.grades_owed:
             # A restarted processor: it replayed its log; what it may not have logged, it gets
             # again (it drops grades it has by execution).
@@ -414,6 +421,14 @@ class Controller:
         if cell is not None:
             cell.last_seen = time.monotonic()
             cell.num_running = msg.num_running
+
+    def on_service_heartbeat(self, ident: bytes, msg: wire.ServiceHeartbeat) -> None:
+        if self.identities.get(msg.peer) != ident:
+            self.num_bad_frames += 1
+            log.error("control socket: %r sent a heartbeat as the %s, which it is not", ident, msg.peer)
+            self.send_raw(ident, wire.ErrorReply(where="controller", message=f"not the {msg.peer}"))
+            return
+        self.service_seen[msg.peer] = time.monotonic()
 
     def on_role_switched(self, ident: bytes, msg: wire.RoleSwitched) -> None:
         cell = self._cell(ident, msg.cell_id)
@@ -652,22 +667,35 @@ class Controller:
         again on its Hello. A dead proxy, or a processor past its restarts, stops the run at once
         with the reason, never a silent hang; the same ``run.run_id`` resumes from the newest
         checkpoint."""
+        now = time.monotonic()
         for name in ("processor", "proxy"):
             proc = self.children.get(name)
-            if proc is None or proc.poll() is None:
+            if proc is None:
                 continue
+            if proc.poll() is None:
+                silent = now - self.service_seen.get(name, now)
+                if silent > self.cfg.cluster.heartbeat_timeout_s:
+                    # Alive but its loop stopped turning (stuck, or stopped): a hang the run would
+                    # wait on forever. Killed, it is restarted or stops the run as a dead one does.
+                    self.silenced[name] = f"was silent for {silent:.1f}s (killed)"
+                    log.error("the %s %s", name, self.silenced[name])
+                    proc.kill()
+                    proc.wait()
+                else:
+                    continue
+            why = self.silenced.pop(name, None) or f"exited with {proc.returncode}"
             if name == "processor" and self.processor_restarts < self.cfg.cluster.service_restarts:
                 self.processor_restarts += 1
-                why = f"exited with {proc.returncode}"
                 log.error("the processor %s; restarting it in place (%d of %d); its log ends:\n%s", why,
                           self.processor_restarts, self.cfg.cluster.service_restarts,
                           log_tail(self.log_dir, name, 8))
                 self.metrics.log("service_restarted", t=time.monotonic() - self.t0, service=name, why=why,
                                  restarts=self.processor_restarts)
                 self.start_processor(self.records_addr)
+                self.service_seen[name] = time.monotonic()  # heard from again at its Hello
                 continue
             raise RunFailed(
-                f"the {name} exited with {proc.returncode}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"
+                f"the {name} {why}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"
                 f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
 
     def scheduler_view(self) -> SchedulerView:

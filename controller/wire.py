@@ -110,6 +110,16 @@ class Heartbeat(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ServiceHeartbeat(Message):
+    """The processor or the proxy is alive and its loop turns (sent every heartbeat interval): the
+    controller kills one silent for ``cluster.heartbeat_timeout_s``, as it drops a silent cell."""
+
+    TAG: ClassVar[str] = "service_heartbeat"
+    peer: Literal["processor", "proxy"]
+    pid: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoleSwitched(Message):
     """A switch finished; ``phases_s`` times each phase walked (drain, release, start, load...)."""
 
@@ -638,7 +648,7 @@ class SlotChecked(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.TAG: cls
     for cls in (
-        Hello, CellReady, Heartbeat, RoleSwitched, MicrostepDone, GradsSent, StepApplied,
+        Hello, CellReady, Heartbeat, ServiceHeartbeat, RoleSwitched, MicrostepDone, GradsSent, StepApplied,
         WeightsLoaded, ErrorReply, SwitchRole, LoadWeights, Sequence, Shard, GroupStats, RunMicrostep,
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionFacts, ExecutionSealed, PullWeights, TensorSpec,

@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="0600 file with the run's engine API key (controller.engine_key); none for open engines")
     p.add_argument("--unix-socket", type=Path, default=None,
                    help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between ServiceHeartbeats")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return p.parse_args(argv)
 
@@ -145,6 +146,14 @@ async def control_loop(sock: zmq.asyncio.Socket, server: ProxyServer, stop: asyn
             stop.set()
 
 
+async def heartbeats(sock: zmq.asyncio.Socket, every_s: float) -> None:
+    """From the event loop itself, so a loop that stops turning falls silent (the controller kills
+    a proxy silent for ``cluster.heartbeat_timeout_s``)."""
+    while True:
+        await sock.send(wire.encode(wire.ServiceHeartbeat(peer="proxy", pid=os.getpid())))
+        await asyncio.sleep(every_s)
+
+
 async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes, api_key: str = "") -> int:
     ctx = zmq.asyncio.Context()
     sink = ZmqRecordSink(ctx, args.processor, resend_s=cfg.record_resend_s)
@@ -168,6 +177,7 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, se
                 return 2
         await control.send(wire.encode(wire.Hello(peer="proxy", pid=os.getpid())))
         control_task = loop.create_task(control_loop(control, server, stop))
+        beat_task = loop.create_task(heartbeats(control, args.heartbeat_s))
         write_ready_file(args.ready_file, url, args.unix_socket)
         log.info("proxy ready: %s, controller %s, processor %s", url, args.controller, args.processor)
         stopped = loop.create_task(stop.wait())
@@ -175,6 +185,7 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, se
         if control_task in done and control_task.exception() is not None:
             log.error("control loop failed: %r", control_task.exception())
         control_task.cancel()
+        beat_task.cancel()
         stopped.cancel()
     finally:
         log.info("proxy shutting down")

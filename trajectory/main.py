@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--no-fsync", action="store_true", help="flush the log but skip os.fsync")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between ServiceHeartbeats")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
     args = parser.parse_args(argv)
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         controller_addr=args.controller,
         stop=stop,
         on_ready=lambda addr: _write_ready(Path(args.ready_file), addr),
+        heartbeat_s=args.heartbeat_s,
     )
     return 0
 

@@ -69,6 +69,7 @@ from controller.wire import (
     Hello,
     Message,
     ProtocolError,
+    ServiceHeartbeat,
     Shard,
     ShardReady,
     Shutdown,
@@ -730,6 +731,7 @@ def serve(
     stop: threading.Event,
     on_ready: Callable[[str], None] | None = None,
     poll_ms: int = 100,
+    heartbeat_s: float = 1.0,
 ) -> None:
     """Replay, bind, say Hello, send what is owed, then move frames until ``stop`` or Shutdown.
 
@@ -751,7 +753,11 @@ def serve(
         poller = zmq.Poller()
         poller.register(inbox.sock, zmq.POLLIN)
         poller.register(dealer, zmq.POLLIN)
+        next_beat = 0.0
         while not stop.is_set() and not service.shutdown_requested:
+            if (now := time.monotonic()) >= next_beat:  # from the loop itself: a stuck loop falls silent
+                dealer.send(encode(ServiceHeartbeat(peer="processor", pid=os.getpid())))
+                next_beat = now + heartbeat_s
             events = dict(poller.poll(poll_ms))
             if inbox.sock in events:
                 out, logged = service.take_records(inbox.drain(_DRAIN_LIMIT))

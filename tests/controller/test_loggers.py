@@ -4,6 +4,7 @@ scraped over real HTTP and parsed with its own parser, W&B offline; one scalar m
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -129,4 +130,8 @@ def test_wandb_offline_run_holds_the_scalars(monkeypatch, tmp_path):
     assert summary["train/reward_mean"] == 0.25 and summary["step"] == 2 and summary["water/queued"] == 5
     assert summary["elapsed_s"] == 7  # live figures on their own axis, not W&B's step
     (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
+    # W&B's service process writes the file behind finish(); on a loaded machine, a moment later
+    deadline = time.monotonic() + 30
+    while b"train/reward_mean" not in record.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"train/reward_mean" in record.read_bytes()

@@ -6,7 +6,9 @@ random moment of a run.
 - The proxy, the core or the controller: the run stops at once with the reason and how to resume
   (never a silent hang; a dead controller leaves no process of the run behind), and the same
   ``run.run_id`` resumes from the newest checkpoint and finishes, each weight version of the final
-  line applied once. (Restarting the proxy in place is still to come.)"""
+  line applied once. (Restarting the proxy in place is still to come.)
+- A processor or proxy that is alive but stuck (SIGSTOP) falls silent: the controller kills it
+  after ``cluster.heartbeat_timeout_s`` and restarts it (the processor) or stops the run."""
 
 from __future__ import annotations
 
@@ -179,3 +181,52 @@ def test_a_killed_controller_leaves_nothing_running_and_the_run_resumes(tmp_path
     assert second == list(range(start + 1, STEPS + 1)), (done_first, second)
     assert done_first == list(range(1, len(done_first) + 1)) and start <= len(done_first) + 1, (done_first, start)
     assert (run_dir / "processor.1").is_dir()  # the second attempt's processor, next to the first's log
+
+
+def stop_at_random(run_dir: Path, module: str, rng: random.Random, deadline: float) -> psutil.Process:
+    """SIGSTOP the run's ``python -m <module>`` once training started: alive, but its loop stopped."""
+    while time.monotonic() < deadline and not metrics(run_dir, "step"):
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if module in cmd and any(str(run_dir) in a for a in cmd):
+            p.send_signal(signal.SIGSTOP)
+            return p
+    raise AssertionError(f"no {module} process of {run_dir} found")
+
+
+@pytest.mark.e2e
+def test_a_hung_processor_is_found_by_its_silence_killed_and_restarted(tmp_path):
+    runs, run_id = tmp_path / "runs", "hung-processor"
+    run_dir = runs / run_id
+    proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.eval_at_start=false",
+                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4")
+    try:
+        stopped = stop_at_random(run_dir, "trajectory.main", random.Random(), time.monotonic() + 300)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
+    (restart,) = metrics(run_dir, "service_restarted")
+    assert restart["service"] == "processor" and restart["why"].startswith("was silent for "), restart
+    assert [e["weight_version"] for e in metrics(run_dir, "step")] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.e2e
+def test_a_hung_proxy_stops_the_run_with_the_reason(tmp_path):
+    runs, run_id = tmp_path / "runs", "hung-proxy"
+    run_dir = runs / run_id
+    proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.eval_at_start=false",
+                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4")
+    try:
+        stop_at_random(run_dir, "harness_proxy.main", random.Random(), time.monotonic() + 300)
+        out, _ = proc.communicate(timeout=120)  # within the timeout and a tick, not some later hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert "run failed: the proxy was silent for " in out
+    assert f"run.run_id={run_id} to resume" in out

@@ -38,8 +38,12 @@ def _spawn(tmp_path: Path, config: dict, controller: str, processor: str) -> sub
 
 
 def _recv(sock: zmq.Socket, what: str, timeout_ms: int = 20_000) -> list[bytes]:
-    assert sock.poll(timeout_ms), f"no {what}"
-    return sock.recv_multipart()
+    """The next frame but heartbeats (the proxy sends one a second)."""
+    while True:
+        assert sock.poll(timeout_ms), f"no {what}"
+        parts = sock.recv_multipart()
+        if not isinstance(wire.decode(parts[-1]), wire.ServiceHeartbeat):
+            return parts
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from controller.wire import (
     Hello,
     Message,
     RecordsAck,
+    ServiceHeartbeat,
     ShardReady,
     decode,
     encode,
@@ -61,6 +62,7 @@ class Harness:
         self.received: list[Message] = []
         self.facts: list[ExecutionFacts] = []
         self.acked: set[tuple[str, str]] = set()
+        self.heartbeats = 0
 
     def start(self, bind: str) -> str:
         ready = self.tmp / "processor.ready"
@@ -93,6 +95,9 @@ class Harness:
             assert self.router.poll(int(DEADLINE_S * 1000)), "nothing from the processor"
             ident, frame = self.router.recv_multipart()
             msg = decode(frame)
+            if isinstance(msg, ServiceHeartbeat):
+                self.heartbeats += 1
+                continue
             if not isinstance(msg, ExecutionFacts):
                 return ident, msg
             self.facts.append(msg)
@@ -185,7 +190,8 @@ def test_sigkill_mid_stream_then_restart_every_shard_exactly_once(harness: Harne
     left = []
     while harness.router.poll(200):
         left.append(decode(harness.router.recv_multipart()[1]))
-    assert all(isinstance(m, ExecutionFacts) for m in left), left  # no data sent twice on the way out
+    assert all(isinstance(m, (ExecutionFacts, ServiceHeartbeat)) for m in left), left  # no data sent twice
+    assert harness.heartbeats >= 1
 
 
 def test_bad_config_fails_fast(tmp_path: Path) -> None:

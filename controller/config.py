@@ -61,9 +61,8 @@ class ClusterConfig:
     """A cell silent this long is dropped and its work re-routed."""
     start_timeout_s: float
     service_restarts: int
-    """Times the controller restarts a dead trajectory processor in place (same records address;
-    it replays its log, the proxy resends what it had not acknowledged, the controller its open
-    grades) before the run stops with the reason."""
+    """Times the controller restarts a dead (or silent) trajectory processor, and the harness proxy,
+    in place, each (``Controller.check_services``), before the run stops with the reason."""
     drain_timeout_s: float
     """A cell turning to training lets in-flight calls finish this long, then aborts them (the
     proxy re-routes them)."""

@@ -16,6 +16,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,7 +129,9 @@ class Controller:
         self.grades_owed: dict[str, wire.Grade] = {}
         self.delivered = wire.Delivered()  # what the processor sent that we took, acknowledged per tick
         self.records_addr = ""
-        self.processor_restarts = 0
+        self.proxy_socket: Path | None = None
+        self.restarts: Counter[str] = Counter()  # processor / proxy -> restarts in place so far
+        self.sealed: list[str] = []  # executions whose SealExecution went out, again to a new proxy
         self.service_seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
         self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
         self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
@@ -140,13 +143,7 @@ class Controller:
     def start(self) -> None:
         c = self.cfg
         self.records_addr = self.start_processor(f"tcp://{self.host}:0")
-        proxy_ready = self._start_child(
-            "proxy", "harness_proxy.main",
-            {"proxy": to_dict(c.proxy), "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
-            ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
-             "--unix-socket", str(self.proxy_socket_path()), *self.curve_args(), *self.engine_key_args(),
-             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
-        )
+        proxy_ready = self.start_proxy(c.proxy.port)
         self.proxy_url = proxy_ready["url"]
         unix_socket = proxy_ready.get("unix_socket")
         self.executions = ExecutionManager(
@@ -218,6 +215,29 @@ class Controller:
         )
         return ready["records_addr"]
 
+    def start_proxy(self, port: int) -> dict:
+        """Start the harness proxy on ``port`` (0: any); return its ready file (its URL)."""
+        c = self.cfg
+        if self.proxy_socket is None:
+            self.proxy_socket = self.proxy_socket_path()
+        return self._start_child(
+            "proxy", "harness_proxy.main",
+            {"proxy": {**to_dict(c.proxy), "port": port},
+             "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
+            ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
+             "--unix-socket", str(self.proxy_socket), *self.curve_args(), *self.engine_key_args(),
+             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
+        )
+
+    def restart_proxy(self) -> None:
+        """The proxy again on its port and Unix socket, so harnesses (which retry) and sandbox
+        relays reach it where they did. It knows no session: a harness's next call is rendered
+        from its messages (a new branch of the execution's tree where the ids differ)."""
+        port = int(self.proxy_url.rsplit(":", 1)[1])
+        url = self.start_proxy(port)["url"]
+        if url != self.proxy_url:
+            raise RunFailed(f"the proxy came back at {url}, not {self.proxy_url}, where the harnesses call")
+
     def _start_child(self, name: str, module: str, config: dict, extra: list[str]) -> dict:
         cfg_path = self._write_json(f"{name}.json", config)
         ready = self.run_dir / f"{name}.ready"
@@ -257,11 +277,13 @@ class Controller:
         return path
 
     def proxy_socket_path(self) -> Path:
-        """Where the proxy also listens for the sandboxes' relays: the run folder when its path fits
-        AF_UNIX's 108 bytes, else a private (0700) temporary folder removed at shutdown."""
-        path = self.run_dir / "proxy.sock"
-        if len(os.fsencode(path.resolve())) < UNIX_PATH_MAX:
-            return path
+        """Where the proxy also listens for the sandboxes' relays: a 0700 folder of its own, bound
+        whole into each sandbox (so a proxy restarted in place is found again there), in the run
+        folder when the path fits AF_UNIX's 108 bytes, else a temporary one removed at shutdown."""
+        folder = self.run_dir / "proxy-socket"
+        if len(os.fsencode((folder / "proxy.sock").resolve())) < UNIX_PATH_MAX:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            return folder / "proxy.sock"
         self.socket_dir = Path(tempfile.mkdtemp(prefix="gyre-"))
         return self.socket_dir / "proxy.sock"
 
@@ -394,6 +416,15 @@ class Controller:
             log.info("processor back: resending %d grade(s) it may not have logged", len(self.grades_owed))
             for grade in list(self.grades_owed.values()):
                 self.send_to("processor", grade)
+        if name == "proxy" and old is not None:
+            # A restarted proxy knows no routes and no sealed execution: it gets the table, and
+            # every seal again, so an ended execution's token stays refused (a seal it sends the
+            # processor twice is dropped there).
+            log.info("proxy back: routing table and %d seal(s) again", len(self.sealed))
+            self.routed = ()
+            self.push_routing()
+            for execution_id in self.sealed:
+                self.send_to("proxy", wire.SealExecution(execution_id=execution_id))
 
     def _cell(self, ident: bytes, cell_id: int) -> Cell | None:
         cell = self.cells.cells.get(cell_id)
@@ -633,6 +664,7 @@ class Controller:
         )
         self.grades_owed[ex.execution_id] = grade
         self.send_to("processor", grade)
+        self.sealed.append(ex.execution_id)
         self.send_to("proxy", wire.SealExecution(execution_id=ex.execution_id))
 
     # ================================================================ cells, roles, steps
@@ -662,11 +694,12 @@ class Controller:
                     f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
 
     def check_services(self) -> None:
-        """A dead processor is restarted in place (``cluster.service_restarts`` times): on the same
-        records address, so the proxy's resends reach it; it replays its log, and gets the grades
-        again on its Hello. A dead proxy, or a processor past its restarts, stops the run at once
-        with the reason, never a silent hang; the same ``run.run_id`` resumes from the newest
-        checkpoint."""
+        """A dead processor or proxy is restarted in place (``cluster.service_restarts`` times each)
+        where it was, so what talks to it finds it again: the processor on its records address
+        (it replays its log; the proxy resends what it had not acknowledged; the grades come again
+        on its Hello), the proxy on its port and Unix socket (harnesses retry; routes and seals
+        come again on its Hello). Past its restarts, it stops the run at once with the reason,
+        never a silent hang; the same ``run.run_id`` resumes from the newest checkpoint."""
         now = time.monotonic()
         for name in ("processor", "proxy"):
             proc = self.children.get(name)
@@ -684,14 +717,16 @@ class Controller:
                 else:
                     continue
             why = self.silenced.pop(name, None) or f"exited with {proc.returncode}"
-            if name == "processor" and self.processor_restarts < self.cfg.cluster.service_restarts:
-                self.processor_restarts += 1
-                log.error("the processor %s; restarting it in place (%d of %d); its log ends:\n%s", why,
-                          self.processor_restarts, self.cfg.cluster.service_restarts,
-                          log_tail(self.log_dir, name, 8))
+            if self.restarts[name] < self.cfg.cluster.service_restarts:
+                self.restarts[name] += 1
+                log.error("the %s %s; restarting it in place (%d of %d); its log ends:\n%s", name, why,
+                          self.restarts[name], self.cfg.cluster.service_restarts, log_tail(self.log_dir, name, 8))
                 self.metrics.log("service_restarted", t=time.monotonic() - self.t0, service=name, why=why,
-                                 restarts=self.processor_restarts)
-                self.start_processor(self.records_addr)
+                                 restarts=self.restarts[name])
+                if name == "processor":
+                    self.start_processor(self.records_addr)
+                else:
+                    self.restart_proxy()
                 self.service_seen[name] = time.monotonic()  # heard from again at its Hello
                 continue
             raise RunFailed(

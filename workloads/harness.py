@@ -44,9 +44,10 @@ SYSTEM_PROMPT = "You write files. Reply with only the text to put in the file; r
 TASK_FILE = "TASK.md"
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-RETRY_ATTEMPTS = 5
-"""Tries per call (the first plus four retries) before the run gives up with exit code 2."""
-BACKOFF_S = (0.2, 0.4, 0.8, 1.6)
+RETRY_ATTEMPTS = 7
+"""Tries per call (the first plus six retries, ~9 s of backoff: longer than a proxy takes to be
+restarted in place) before the run gives up with exit code 2."""
+BACKOFF_S = (0.2, 0.4, 0.8, 1.6, 3.2)
 MAX_RETRY_AFTER_S = 5.0
 
 

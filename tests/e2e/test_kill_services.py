@@ -1,14 +1,16 @@
 """SIGKILL the trajectory processor, the harness proxy, the core cell or the controller at a
 random moment of a run.
 
-- The processor is restarted in place and the run finishes: every weight version applied once,
-  every call of every sealed execution in the processor's log, no shard trained twice.
-- The proxy, the core or the controller: the run stops at once with the reason and how to resume
-  (never a silent hang; a dead controller leaves no process of the run behind), and the same
+- The processor or the proxy is restarted in place and the run finishes: every weight version
+  applied once, every call a harness was answered in the processor's log, every sealed execution's
+  calls there, no shard trained twice.
+- The core or the controller: the run stops at once with the reason and how to resume (never a
+  silent hang; a dead controller leaves no process of the run behind), and the same
   ``run.run_id`` resumes from the newest checkpoint and finishes, each weight version of the final
-  line applied once. (Restarting the proxy in place is still to come.)
+  line applied once.
 - A processor or proxy that is alive but stuck (SIGSTOP) falls silent: the controller kills it
-  after ``cluster.heartbeat_timeout_s`` and restarts it (the processor) or stops the run."""
+  after ``cluster.heartbeat_timeout_s`` and restarts it; with ``cluster.service_restarts=0`` a
+  silent proxy stops the run with the reason."""
 
 from __future__ import annotations
 
@@ -56,42 +58,57 @@ def processor_log(run_dir: Path) -> list[wire.Message]:
         log.close()
 
 
+def answered_calls(run_dir: Path) -> set[str]:
+    """Every call id a harness was answered (the bundled harness's ``harness: answered <id>`` lines)."""
+    return {line.split()[-1] for log in run_dir.glob("work/*/stdout.log")
+            for line in log.read_text().splitlines() if line.startswith("harness: answered ")}
+
+
 @pytest.mark.e2e
-def test_a_killed_processor_is_restarted_in_place_and_nothing_is_lost(tmp_path):
-    runs, run_id = tmp_path / "runs", "kill-processor"
+@pytest.mark.parametrize("name,module", [("processor", "trajectory.main"), ("proxy", "harness_proxy.main")])
+def test_a_killed_service_is_restarted_in_place_and_nothing_is_lost(tmp_path, name, module):
+    runs, run_id = tmp_path / "runs", f"kill-{name}"
     run_dir = runs / run_id
     proc = attempt(runs, run_id)
     try:
-        killed = kill_at_random(run_dir, "trajectory.main", random.Random(), time.monotonic() + 300)
+        killed = kill_at_random(run_dir, module, random.Random(), time.monotonic() + 300)
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
     restarts = metrics(run_dir, "service_restarted")
-    assert [(e["service"], e["why"]) for e in restarts] == [("processor", "exited with -9")], killed
+    assert [(e["service"], e["why"]) for e in restarts] == [(name, "exited with -9")], killed
     # every weight version applied once, in order
     assert [e["weight_version"] for e in metrics(run_dir, "step")] == list(range(1, STEPS + 1))
     # no shard trained twice (no cell was lost, so no microstep was re-run)
     trained = [(e["step"], e["shard"]) for e in metrics(run_dir, "microstep")]
     assert trained and len(trained) == len(set(trained))
-    # every call of every sealed execution is in the processor's log, once per call id
+    # every call a harness was answered is in the processor's log
     logged = processor_log(run_dir)
+    answered = answered_calls(run_dir)
+    assert answered and answered <= {m.call_id for m in logged if isinstance(m, wire.CallRecord)}
+    # every sealed execution's calls are in the log: all the proxy counted (a restarted proxy
+    # counts only the calls made through it)
     calls: dict[str, set[str]] = {}
     for m in logged:
         if isinstance(m, wire.CallRecord):
             calls.setdefault(m.execution_id, set()).add(m.call_id)
     seals = {m.execution_id: m.num_calls for m in logged if isinstance(m, wire.ExecutionSealed)}
-    assert seals and {e: len(calls.get(e, ())) for e in seals} == seals
+    assert seals and all(len(calls.get(e, ())) >= n for e, n in seals.items())
+    if name == "processor":
+        assert {e: len(calls.get(e, ())) for e in seals} == seals
     # every training run that finished was sealed and graded in the log
     finished = {e["id"] for e in metrics(run_dir, "execution") if e["train"] and e["outcome"] == "finished"}
     graded = {m.execution_id for m in logged if isinstance(m, wire.Grade)}
     assert finished and finished <= seals.keys() and finished <= graded
+    # the harnesses rode the restart out: a call that failed meanwhile was retried, none gave up
+    crashed = [e["id"] for e in metrics(run_dir, "execution") if e["outcome"] == "crashed"]
+    assert not crashed, crashed
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,module,also", [
-    ("proxy", "harness_proxy.main", ()),
     # The core owns the optimizer state no satellite holds: the run resumes from its checkpoint.
     ("core cell 0", "cellrunner.main", ("--cell-id 0",)),
 ])
@@ -220,7 +237,7 @@ def test_a_hung_proxy_stops_the_run_with_the_reason(tmp_path):
     runs, run_id = tmp_path / "runs", "hung-proxy"
     run_dir = runs / run_id
     proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.eval_at_start=false",
-                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4")
+                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4", "cluster.service_restarts=0")
     try:
         stop_at_random(run_dir, "harness_proxy.main", random.Random(), time.monotonic() + 300)
         out, _ = proc.communicate(timeout=120)  # within the timeout and a tick, not some later hang

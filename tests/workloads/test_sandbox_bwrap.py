@@ -96,6 +96,7 @@ attempt("read_sibling", lambda: read(a["sibling_secret"]))
 attempt("list_sibling", lambda: os.listdir(os.path.dirname(a["sibling_secret"])))
 attempt("read_token", lambda: read(a["run_token"]))
 attempt("read_root_home", lambda: os.listdir("/root"))
+attempt("list_socket_dir", lambda: sorted(os.listdir("/run/gyre/proxy")))
 attempt("read_shadow", lambda: read("/etc/shadow"))
 attempt("write_sysctl", lambda: write("/proc/sys/kernel/hostname"))
 attempt("kill_controller", lambda: os.kill(a["controller_pid"], signal.SIGTERM))
@@ -145,8 +146,8 @@ class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 @pytest.fixture
 def proxy(tmp_path):
     """The fake proxy: HTTP on a Unix socket in the run folder and on a TCP port of this node."""
-    sock_path = tmp_path / "run" / "proxy.sock"
-    sock_path.parent.mkdir(exist_ok=True)
+    sock_path = tmp_path / "run" / "proxy-socket" / "proxy.sock"  # its own folder, as the controller makes it
+    sock_path.parent.mkdir(parents=True, exist_ok=True)
     unix, tcp = _UnixServer(str(sock_path), _FakeProxy), _TcpServer(("127.0.0.1", 0), _FakeProxy)
     os.chmod(sock_path, 0o600)
     for srv in (unix, tcp):
@@ -231,6 +232,7 @@ def test_hostile_program_is_confined(tmp_path, layout, proxy, monkeypatch):
         assert out["proxy_get"] == "proxied /v1/models"
         assert out["proxy_half_close"] == "proxied /half"
         assert out["proxy_many"] is True
+        assert out["list_socket_dir"] == ["proxy.sock"]  # the proxy's folder is bound, and holds only it
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -17,8 +17,11 @@ What bwrap enforces for one ``SandboxSpec`` (every path at the same place inside
   there. ``network=proxy``: the relay (``relay.py``, run by the system's ``/usr/bin/python3 -I -S``
   from a read-only bind of that one file at ``/run/gyre/relay.py``) listens on
   127.0.0.1:``spec.proxy_port`` and copies each connection to the proxy's Unix socket
-  (``spec.proxy_socket``, bound at ``/run/gyre/proxy.sock``), then runs the harness as its child. So
-  the proxy is reachable and nothing else on the node or beyond.
+  (``spec.proxy_socket``), then runs the harness as its child. So the proxy is reachable and
+  nothing else on the node or beyond. The socket's *folder* is bound (read-only, at
+  ``/run/gyre/proxy/``), not the socket file: a proxy restarted in place makes a new socket at the
+  same path, which a bind of the old file would never see. So that folder must hold nothing but
+  the socket (the controller makes one for it).
 - Environment: exactly the environment the bwrap process is started with (Popen it with
   ``env=spec.env``), plus ``HOME``. The environment is not put on bwrap's argv (``--clearenv``,
   ``--setenv``) because it holds the execution token, and any user of a node can read every
@@ -46,7 +49,7 @@ MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-")
 RELAY_SOURCE = Path(__file__).with_name("relay.py")
 RELAY_PYTHON = "/usr/bin/python3"
 RELAY_INSIDE = "/run/gyre/relay.py"
-SOCKET_INSIDE = "/run/gyre/proxy.sock"
+SOCKET_DIR_INSIDE = "/run/gyre/proxy"
 TMPFS_HOME = "/home/sandbox"
 PROBE_TIMEOUT_S = 20.0
 
@@ -107,8 +110,10 @@ class BwrapSandbox:
             if not spec.proxy_port or spec.proxy_socket is None:
                 raise ValueError("sandbox=bwrap, network=proxy: want spec.proxy_port and spec.proxy_socket")
             _check_paths(spec.proxy_socket, Path(RELAY_PYTHON))
-            argv += ["--ro-bind", str(RELAY_SOURCE), RELAY_INSIDE, "--ro-bind", str(spec.proxy_socket), SOCKET_INSIDE]
-            command = [RELAY_PYTHON, "-I", "-S", RELAY_INSIDE, str(spec.proxy_port), SOCKET_INSIDE, *command]
+            socket_inside = f"{SOCKET_DIR_INSIDE}/{spec.proxy_socket.name}"
+            argv += ["--ro-bind", str(RELAY_SOURCE), RELAY_INSIDE,
+                     "--ro-bind", str(spec.proxy_socket.parent), SOCKET_DIR_INSIDE]
+            command = [RELAY_PYTHON, "-I", "-S", RELAY_INSIDE, str(spec.proxy_port), socket_inside, *command]
         return [*argv, "--remount-ro", "/", "--chdir", str(spec.workspace), "--", *command]
 
     def describe(self) -> str:

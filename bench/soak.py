@@ -165,11 +165,13 @@ def check_versions(slices: list[list[dict[str, Any]]]) -> tuple[bool, list[int],
     problems = []
     for i, events in enumerate(slices):
         resumed = [e["weight_version"] for e in events if e.get("kind") == "resumed"]
-        start = resumed[0] if resumed else 0
+        versions = [e["weight_version"] for e in events if e.get("kind") == "step"]
+        if not resumed and not versions:
+            continue  # killed before it resumed anything: the line is as it was
+        start = resumed[0] if resumed else 0  # no "resumed": it started from scratch
         if start > len(line) + 1:
             problems.append(f"attempt {i} resumed at {start}, its predecessor logged {len(line)}")
         line = line[:start] + list(range(len(line) + 1, start + 1))  # the one applied and saved, unlogged
-        versions = [e["weight_version"] for e in events if e.get("kind") == "step"]
         if versions != list(range(start + 1, start + 1 + len(versions))):
             problems.append(f"attempt {i} from {start} applied {versions}")
         line += versions
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         final_steps = latest_version(soak.run_dir) + 2
         soak.start(f"run.steps={final_steps}", "run.eval_at_end=true")
         soak.end_attempt()
+        (soak.runs / "soak.json").write_text(json.dumps({"attempts": soak.attempts, "kills": soak.kills}))
         slices = events_by_attempt(soak.run_dir, soak.attempts)
         ok, line, problems = check_versions(slices)
         answered, logged = answered_calls(soak.run_dir), logged_calls(soak.run_dir)

@@ -20,6 +20,9 @@ def test_versions_resumed_from_a_checkpoint_are_applied_once():
     # the core saved v4 but the controller died before logging it: applied once all the same
     ok, line, _ = soak.check_versions([first, [{"kind": "resumed", "weight_version": 4}, step(5)]])
     assert ok and line == [1, 2, 3, 4, 5]
+    # an attempt killed while it started logs nothing: the line stays as it was
+    ok, line, _ = soak.check_versions([first, [{"kind": "progress"}], [{"kind": "resumed", "weight_version": 3}, step(4)]])
+    assert ok and line == [1, 2, 3, 4]
 
 
 def test_a_version_applied_twice_or_skipped_is_caught():

@@ -3,12 +3,13 @@ cell owns the tensors and writes them (cellrunner.checkpoint).
 
 Layout, shared with the writer: ``<run>/checkpoints/v<N>/`` with ``checkpoint.json`` written last,
 after the tensors, into a temporary folder renamed into place; a ``v<N>`` folder without it is
-an interrupted write and never counts. Directory listing only: no tensors here.
+an interrupted write and never counts. Directory listing (and deleting old ones): no tensors here.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,29 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Checkpoint | None:
         if m and (child / META_FILE).is_file():
             found.append(Checkpoint(int(m.group(1)), child))
     return max(found, key=lambda c: c.version, default=None)
+
+
+def prune(checkpoint_dir: str | Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints, and interrupted writes older than
+    the newest complete one; return the versions deleted. ``keep`` 0 deletes nothing."""
+    latest = latest_checkpoint(checkpoint_dir)
+    if keep <= 0 or latest is None:
+        return []
+    complete, stale = [], []
+    for child in Path(checkpoint_dir).iterdir():
+        m = _VERSION_DIR.match(child.name)
+        if not m:
+            continue
+        version = int(m.group(1))
+        if (child / META_FILE).is_file():
+            complete.append((version, child))
+        elif version < latest.version:
+            stale.append((version, child))
+    complete.sort(reverse=True)
+    gone = complete[keep:] + stale
+    for _, path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(v for v, _ in gone)
 
 
 def due(version: int, every: int) -> bool:

@@ -35,6 +35,9 @@ class RunConfig:
     """Start from the newest complete checkpoint in the run folder, when there is one."""
     checkpoint_every: int
     """The core saves weights + AdamW state every this many steps (0: only at the end)."""
+    keep_checkpoints: int
+    """The newest this many complete checkpoints stay; older ones are deleted as new ones land (0:
+    all stay). A checkpoint of a large model is large, and a resume needs only the newest."""
     log_level: Literal["DEBUG", "INFO", "WARNING"]
     progress_every_s: float
 

@@ -24,7 +24,7 @@ import zmq
 
 from controller import curve, engine_key, wire
 from controller.cells import Cell, CellRegistry
-from controller.checkpoints import Checkpoint, latest_checkpoint
+from controller.checkpoints import Checkpoint, due, latest_checkpoint, prune
 from controller.config import GyreConfig
 from controller.executions import Execution, ExecutionManager, ProxyEndpoint
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
@@ -494,6 +494,10 @@ class Controller:
             return
         st = self.steps.on_step_applied(msg.step, msg.weight_version, msg.late_loss)
         core.weight_version = msg.weight_version
+        if due(msg.weight_version, self.cfg.run.checkpoint_every):  # the core saved it before it said so
+            pruned = prune(self.run_dir / "checkpoints", self.cfg.run.keep_checkpoints)
+            if pruned:
+                log.info("checkpoints: kept the newest %d, deleted %s", self.cfg.run.keep_checkpoints, pruned)
         now = time.monotonic()
         if st.mean_reward is not None:
             self.step_rewards.append((msg.step, st.mean_reward))

@@ -81,6 +81,8 @@ def test_a_killed_service_is_restarted_in_place_and_nothing_is_lost(tmp_path, na
     assert [(e["service"], e["why"]) for e in restarts] == [(name, "exited with -9")], killed
     # every weight version applied once, in order
     assert [e["weight_version"] for e in metrics(run_dir, "step")] == list(range(1, STEPS + 1))
+    # a checkpoint every step, the newest 3 kept (run.keep_checkpoints)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"v{v}" for v in (4, 5, 6)]
     # no shard trained twice (no cell was lost, so no microstep was re-run)
     trained = [(e["step"], e["shard"]) for e in metrics(run_dir, "microstep")]
     assert trained and len(trained) == len(set(trained))

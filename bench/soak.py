@@ -22,6 +22,8 @@ Prints one JSON object last:
   attempt's workspaces) whose CallRecord is in no attempt's processor log (``answered_calls``);
 - ``shards_trained_twice``: per applied step, shards trained more than once by the cells whose
   gradients the step counted (a lost cell's microsteps are trained again and not counted twice);
+- ``recovery_s``: per kind of kill, the median and the longest time from the kill to the next
+  step applied (a restart in place, or a new attempt's start and resume: what a kill costs);
 - ``eval_reward_end``: the last attempt's end eval; ``final_version``; ``orphans``: processes
   of a dead attempt still alive 60 s after it ended (killed then, and counted).
 """
@@ -34,6 +36,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,7 +137,8 @@ class Soak:
         except psutil.Error:
             return
         with self.lock:
-            self.kills.append({"t": round(time.monotonic() - t0, 1), "kind": kind, "attempt": len(self.attempts) - 1})
+            self.kills.append({"t": round(time.monotonic() - t0, 1), "wall": time.time(), "kind": kind,
+                               "attempt": len(self.attempts) - 1})
         print(f"soak: {time.monotonic() - t0:7.1f}s killed the {kind} (pid {victim.pid})", file=sys.stderr, flush=True)
 
     def chaos(self, t0: float, deadline: float, every: tuple[float, float], stop: threading.Event) -> None:
@@ -191,6 +195,30 @@ def shards_trained_twice(slices: list[list[dict[str, Any]]]) -> int:
                 counted = Counter(shard for cell, shard in micro.get(e["step"], []) if cell in e["trainers"])
                 twice += sum(n - 1 for n in counted.values() if n > 1)
     return twice
+
+
+def applied_times(run_dir: Path) -> list[float]:
+    """Wall times of the controller's ``step N applied`` lines, every attempt's (its log appends)."""
+    out = []
+    for line in (run_dir / "controller.log").read_text(errors="replace").splitlines():
+        if " applied -> version " in line:
+            try:
+                stamp, millis = line[:23].split(",")
+                out.append(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000)
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def recovery(kills: list[dict[str, Any]], applied: list[float]) -> dict[str, dict[str, float]]:
+    """Per kind: median and longest seconds from a kill to the next step applied."""
+    by_kind: dict[str, list[float]] = {}
+    for k in kills:
+        later = [t for t in applied if t > k["wall"]]
+        if later:
+            by_kind.setdefault(k["kind"], []).append(later[0] - k["wall"])
+    return {kind: {"median": round(statistics.median(v), 1), "max": round(max(v), 1), "n": len(v)}
+            for kind, v in sorted(by_kind.items())}
 
 
 def answered_calls(run_dir: Path) -> set[str]:
@@ -279,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "versions_applied_once": ok, "version_problems": problems[:5], "final_version": len(line),
             "records_lost": len(answered - logged), "answered_calls": len(answered),
             "shards_trained_twice": shards_trained_twice(slices),
+            "recovery_s": recovery(soak.kills, applied_times(soak.run_dir)),
             "processor_restarts": sum(1 for s in slices for e in s if e.get("kind") == "service_restarted"),
             "eval_reward_end": evals[-1].get("reward") if evals else None,
             "last_attempt_rc": soak.attempts[-1].get("rc"), "orphans": soak.orphans,

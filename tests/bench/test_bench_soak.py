@@ -38,6 +38,13 @@ def test_shards_counted_twice_by_a_step_are_caught_and_a_lost_cells_are_not():
     assert soak.shards_trained_twice([micro + [step(1, trainers=(0, 1))]]) == 1
 
 
+def test_recovery_is_the_time_to_the_next_applied_step():
+    kills = [{"kind": "proxy", "wall": 10.0}, {"kind": "proxy", "wall": 20.0}, {"kind": "core", "wall": 30.0},
+             {"kind": "core", "wall": 99.0}]
+    assert soak.recovery(kills, [5.0, 12.5, 21.0, 45.0]) == {
+        "core": {"median": 15.0, "max": 15.0, "n": 1}, "proxy": {"median": 1.8, "max": 2.5, "n": 2}}  # (2.5 + 1.0) / 2, rounded
+
+
 @pytest.mark.e2e
 def test_a_short_soak_holds_its_invariants(tmp_path):
     out = soak.main(["--minutes", "1.5", "--kill-every", "8,14", "--seed", "3", "--runs-dir", str(tmp_path)])
@@ -47,3 +54,4 @@ def test_a_short_soak_holds_its_invariants(tmp_path):
     assert out["records_lost"] == 0 and out["answered_calls"] > 0, out
     assert out["shards_trained_twice"] == 0, out
     assert isinstance(out["eval_reward_end"], float), out
+    assert out["recovery_s"] and all(0 < r["median"] <= r["max"] for r in out["recovery_s"].values()), out

@@ -33,7 +33,8 @@ Figures: ``added_latency_ms`` p50/p99 = the client's wall time per answered call
 sent to last byte read, the body encoded beforehand) minus the engine double's own time for that
 call (from its handler's entry, body read included, to its answer); at this concurrency most of
 it is waiting in the proxy's one event loop. ``proxy_rss_mb``: the proxy process's RSS at start
-(``baseline``), its peak (sampled twice a second), and ``per_session`` = (peak - baseline) /
+(``baseline``), its peak (sampled twice a second), ``end`` (2 s after the last record and seal
+are in: what it keeps once every session is sealed), and ``per_session`` = (peak - baseline) /
 sessions. ``proxy_cpu_share``: the proxy's CPU seconds over the run's, near 1 when its one event
 loop is saturated (then the added latency is mostly queueing). ``errors_by_status``: non-200 answers by status, and connection failures by exception
 name. ``context_tokens``: the prompt tokens of the answered calls (p50, max) and how many
@@ -82,6 +83,8 @@ MAX_NEW_TOKENS = 256
 CLIENT_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 120.0
 RSS_EVERY_S = 0.5
+RSS_SETTLE_S = 2.0
+"""Seconds after the last record and seal are in before ``proxy_rss_mb.end`` is read."""
 
 
 def ids_digest(ids: list[int]) -> bytes:
@@ -495,6 +498,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = [orjson.loads(out.read_bytes()) for _, out in clients]
             answered = sum(len(r["calls"]) for r in results)
             report = drain(Http(engine_url), answered, rss["num_sealed"])
+            time.sleep(RSS_SETTLE_S)  # the proxy trims freed memory within a second of the last seals
             rss["rss_end"] = proxy.memory_info().rss
             status, data = Http(proxy_url).get("/stats")
             proxy_stats = json.loads(data) if status == 200 else {}

@@ -38,6 +38,7 @@ from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
 from harness_proxy.auth import Revocations, bearer_token, verify_token
 from harness_proxy.config import ProxyConfig
+from harness_proxy.memory import TrimAfterSeals
 from harness_proxy.openai_api import (
     ApiError, ChatRequest, completion_body, finish_reason, models_body, new_call_id, parse_chat_request,
     reply_message, stream_events, usage,
@@ -198,6 +199,7 @@ class ProxyServer:
         self.guard = ConnectionGuard(read_timeout_s=cfg.read_timeout_s, abuse=self.abuse)
         self.num_records = 0
         self.num_refused_backlog = 0
+        self.trim = TrimAfterSeals()
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._background: set[asyncio.Task[Any]] = set()
         self._http: aiohttp.ClientSession | None = None
@@ -275,6 +277,7 @@ class ProxyServer:
             self.sessions.drop_execution(execution_id)
             self.minted.drop_execution(execution_id)
             self.router.forget(execution_id)
+            self.trim.sealed()
             log.info(
                 "execution %s sealed: %d calls recorded, %d in flight cancelled",
                 execution_id, num_calls, len(exe.in_flight),

@@ -14,7 +14,8 @@ the end eval.
 
 Prints one JSON object last:
 
-- ``kills`` (and ``kills_by_kind``), ``attempts``;
+- ``kills`` (and ``kills_by_kind``), ``attempts`` (of ours: ``gyre`` also resumes by itself after
+  a core's death, ``run.auto_resume``; ``resumes`` counts every resume);
 - ``versions_applied_once``: each attempt applies consecutive versions from where it resumed,
   and the run's final line of versions (each attempt's, cut where the next resumed) is 1..N, once
   each (a checkpoint one past an attempt's last logged step counts: the core applied and saved it);
@@ -164,6 +165,19 @@ def events_by_attempt(run_dir: Path, attempts: list[dict[str, Any]]) -> list[lis
     return out
 
 
+def segments(slices: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Each attempt's events, cut again at each ``resumed`` event: ``gyre`` resumes by itself after
+    a core's death (``run.auto_resume``), within one process of ours."""
+    out: list[list[dict[str, Any]]] = []
+    for events in slices:
+        out.append([])
+        for e in events:
+            if e.get("kind") == "resumed" and out[-1]:
+                out.append([])
+            out[-1].append(e)
+    return out
+
+
 def check_versions(slices: list[list[dict[str, Any]]]) -> tuple[bool, list[int], list[str]]:
     line: list[int] = []
     problems = []
@@ -297,13 +311,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         soak.start(f"run.steps={final_steps}", "run.eval_at_end=true")
         soak.end_attempt()
         (soak.runs / "soak.json").write_text(json.dumps({"attempts": soak.attempts, "kills": soak.kills}))
-        slices = events_by_attempt(soak.run_dir, soak.attempts)
+        slices = segments(events_by_attempt(soak.run_dir, soak.attempts))
         ok, line, problems = check_versions(slices)
         answered, logged = answered_calls(soak.run_dir), logged_calls(soak.run_dir)
         evals = [e for e in slices[-1] if e.get("kind") == "eval"]
         result = {
             "kills": len(soak.kills), "kills_by_kind": dict(Counter(k["kind"] for k in soak.kills)),
             "attempts": len(soak.attempts), "attempt_exit_codes": [a.get("rc") for a in soak.attempts],
+            "resumes": sum(1 for s in slices for e in s if e.get("kind") == "resumed"),
             "versions_applied_once": ok, "version_problems": problems[:5], "final_version": len(line),
             "records_lost": len(answered - logged), "answered_calls": len(answered),
             "shards_trained_twice": shards_trained_twice(slices),

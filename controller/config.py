@@ -36,6 +36,10 @@ class RunConfig:
     checkpoint_every: int
     """The core saves weights + AdamW state every this many steps (0: only at the end)."""
     keep_checkpoints: int
+    auto_resume: int
+    """Times ``gyre`` starts a new attempt by itself, from the newest checkpoint, after a failure
+    one can get past (the core died: it alone holds the optimizer state; a service died past its
+    restarts). 0: stop with the message and the run_id to resume with."""
     """The newest this many complete checkpoints stay; older ones are deleted as new ones land (0:
     all stay). A checkpoint of a large model is large, and a resume needs only the newest."""
     log_level: Literal["DEBUG", "INFO", "WARNING"]

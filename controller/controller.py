@@ -48,7 +48,12 @@ UNIX_PATH_MAX = 100
 
 
 class RunFailed(RuntimeError):
-    pass
+    """The run cannot go on. ``resumable``: a new attempt from the newest checkpoint can (a dead
+    core, a service past its restarts), so ``gyre`` starts one itself (``run.auto_resume``)."""
+
+    def __init__(self, message: str, *, resumable: bool = False):
+        super().__init__(message)
+        self.resumable = resumable
 
 
 @dataclass
@@ -695,7 +700,8 @@ class Controller:
                 raise RunFailed(
                     f"the core cell {cell.cell_id} {why}; it owns the weights and optimizer state; its log ends:\n"
                     f"{log_tail(self.log_dir, f'cell{cell.cell_id}', 8)}\n"
-                    f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
+                    f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint",
+                    resumable=True)
 
     def check_services(self) -> None:
         """A dead processor or proxy is restarted in place (``cluster.service_restarts`` times each)
@@ -735,7 +741,8 @@ class Controller:
                 continue
             raise RunFailed(
                 f"the {name} {why}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"
-                f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint")
+                f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint",
+                resumable=True)
 
     def scheduler_view(self) -> SchedulerView:
         st = self.steps.current

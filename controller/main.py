@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -29,6 +30,23 @@ log = logging.getLogger("gyre")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+def run_resuming(cfg: GyreConfig) -> dict:
+    """``run``, and when an attempt fails in a way a new one can get past (a dead core: the
+    ``resumable`` RunFailed), a new attempt from the newest checkpoint, up to ``run.auto_resume``
+    times: what an operator would do by hand, and a requeued Slurm job does."""
+    for attempt in range(cfg.run.auto_resume + 1):
+        try:
+            return run(cfg)
+        except RunFailed as exc:
+            if not exc.resumable or attempt == cfg.run.auto_resume:
+                raise
+            run_id = getattr(exc, "run_id", "")
+            log.error("gyre: run failed: %s\ngyre: resuming run %s from its newest checkpoint (%d of %d)",
+                      exc, run_id, attempt + 1, cfg.run.auto_resume)
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_id=run_id, resume=True))
+    raise AssertionError("unreachable")
+
+
 def run(cfg: GyreConfig) -> dict:
     run_dir = make_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.run_id)
     logging.basicConfig(
@@ -41,6 +59,9 @@ def run(cfg: GyreConfig) -> dict:
     try:
         ctl.start()
         ctl.run()
+    except RunFailed as exc:
+        exc.run_id = run_dir.name  # type: ignore[attr-defined]  # where a new attempt resumes
+        raise
     finally:
         ctl.shutdown()
     now = time.monotonic()
@@ -76,7 +97,7 @@ def _hydra_main(raw: DictConfig) -> None:
     if isinstance(launcher, SubmititLauncherConfig):
         sys.exit(submit_run(launcher, cfg, list(HydraConfig.get().overrides.task)))
     try:
-        run(cfg)
+        run_resuming(cfg)
     except PartsError as exc:  # a harness not installed, no sandbox: nothing was started
         print(f"gyre: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -25,6 +25,15 @@ def test_versions_resumed_from_a_checkpoint_are_applied_once():
     assert ok and line == [1, 2, 3, 4]
 
 
+def test_a_resume_inside_one_attempt_starts_a_segment():
+    one_process = [step(1), step(2), step(3), {"kind": "resumed", "weight_version": 2}, step(3), step(4)]
+    parts = soak.segments([one_process])
+    assert [len(p) for p in parts] == [3, 3]
+    ok, line, _ = soak.check_versions(parts)
+    assert ok and line == [1, 2, 3, 4]
+    assert not soak.check_versions([one_process])[0]  # read as one attempt, v3 looks applied twice
+
+
 def test_a_version_applied_twice_or_skipped_is_caught():
     ok, _, problems = soak.check_versions([[step(1), step(2), step(2)]])
     assert not ok and problems

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,10 +30,9 @@ from trajectory.log import AppendLog, decode_marker
 STEPS = 6
 
 
-def attempt(runs: Path, run_id: str) -> tuple[int, str]:
-    proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.checkpoint_every=1",
-                      "run.eval_at_start=false", "run.eval_at_end=false")
-    return proc  # type: ignore[return-value]
+def attempt(runs: Path, run_id: str, *extra: str) -> subprocess.Popen:
+    return start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.checkpoint_every=1",
+                      "run.eval_at_start=false", "run.eval_at_end=false", *extra)
 
 
 def kill_at_random(run_dir: Path, module: str, rng: random.Random, deadline: float, *also: str) -> str:
@@ -110,29 +110,53 @@ def test_a_killed_service_is_restarted_in_place_and_nothing_is_lost(tmp_path, na
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name,module,also", [
-    # The core owns the optimizer state no satellite holds: the run resumes from its checkpoint.
-    ("core cell 0", "cellrunner.main", ("--cell-id 0",)),
-])
-def test_a_killed_service_stops_the_run_clearly_and_it_resumes(tmp_path, name, module, also):
-    runs, run_id = tmp_path / "runs", f"kill-{name.replace(' ', '-')}"
+def test_a_killed_core_is_brought_back_from_its_checkpoint_by_gyre_itself(tmp_path):
+    """The core owns the optimizer state no satellite holds: ``gyre`` starts a new attempt from the
+    newest checkpoint by itself (``run.auto_resume``); the steps since it are trained again."""
+    runs, run_id = tmp_path / "runs", "kill-core-auto"
     run_dir = runs / run_id
     proc = attempt(runs, run_id)
     try:
-        kill_at_random(run_dir, module, random.Random(), time.monotonic() + 300, *also)
+        kill_at_random(run_dir, "cellrunner.main", random.Random(), time.monotonic() + 300, "--cell-id 0")
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "run failed: the core cell 0 exited with -9" in out and f"resuming run {run_id} from its newest" in out
+    check_resumed_line(run_dir)
+
+
+@pytest.mark.e2e
+def test_a_killed_core_stops_the_run_clearly_and_it_resumes(tmp_path):
+    """With ``run.auto_resume=0``, what an operator sees and does."""
+    runs, run_id = tmp_path / "runs", "kill-core"
+    run_dir = runs / run_id
+    proc = attempt(runs, run_id, "run.auto_resume=0")
+    try:
+        kill_at_random(run_dir, "cellrunner.main", random.Random(), time.monotonic() + 300, "--cell-id 0")
         out, _ = proc.communicate(timeout=120)  # stops promptly, not at some timeout
     finally:
         if proc.poll() is None:
             proc.kill()
-    done_first = [e["weight_version"] for e in metrics(run_dir, "step")]
-    assert len(done_first) < STEPS, "the kill landed after the last step: nothing was tested"
     assert proc.returncode == 1, out[-3000:]
-    assert f"run failed: the {name} exited with -9" in out
+    assert "run failed: the core cell 0 exited with -9" in out
     assert f"run.run_id={run_id} to resume" in out
-
     proc = attempt(runs, run_id)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-3000:]
+    check_resumed_line(run_dir)
+
+
+def check_resumed_line(run_dir: Path) -> None:
+    """One resume: the first attempt's versions up to the checkpoint, then the second's, once each."""
+    done_first = []
+    for e in metrics(run_dir):
+        if e["kind"] == "resumed":
+            break
+        if e["kind"] == "step":
+            done_first.append(e["weight_version"])
+    assert len(done_first) < STEPS, "the kill landed after the last step: nothing was tested"
     resumed = [e["weight_version"] for e in metrics(run_dir, "resumed")]
     start = resumed[0] if resumed else 0
     assert start >= 1 or not (run_dir / "checkpoints" / "v1").exists()

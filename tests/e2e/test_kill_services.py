@@ -9,8 +9,8 @@ random moment of a run.
   ``run.run_id`` resumes from the newest checkpoint and finishes, each weight version of the final
   line applied once.
 - A processor or proxy that is alive but stuck (SIGSTOP) falls silent: the controller kills it
-  after ``cluster.heartbeat_timeout_s`` and restarts it; with ``cluster.service_restarts=0`` a
-  silent proxy stops the run with the reason."""
+  after ``cluster.heartbeat_timeout_s`` and restarts it; with ``cluster.service_restarts=0`` (and
+  ``run.auto_resume=0``) a silent proxy stops the run with the reason."""
 
 from __future__ import annotations
 
@@ -263,7 +263,8 @@ def test_a_hung_proxy_stops_the_run_with_the_reason(tmp_path):
     runs, run_id = tmp_path / "runs", "hung-proxy"
     run_dir = runs / run_id
     proc = start_gyre(runs, f"run.steps={STEPS}", f"run.run_id={run_id}", "run.eval_at_start=false",
-                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4", "cluster.service_restarts=0")
+                      "run.eval_at_end=false", "cluster.heartbeat_timeout_s=4", "cluster.service_restarts=0",
+                      "run.auto_resume=0")
     try:
         stop_at_random(run_dir, "harness_proxy.main", random.Random(), time.monotonic() + 300)
         out, _ = proc.communicate(timeout=120)  # within the timeout and a tick, not some later hang

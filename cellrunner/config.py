@@ -11,12 +11,36 @@ from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
+class ModelParallel:
+    """A model preset's parallel layout defaults per cell; conf/trainer/megatron.yaml and
+    conf/engine/sglang.yaml read them by interpolation, and a command line overrides either side."""
+
+    trainer_tp: int
+    trainer_pp: int
+    trainer_ep: int
+    engine_tp: int
+    engine_ep: int
+    engine_nnodes: int
+    """Nodes one SGLang server spans (a cell of 48 nodes with 2 runs 24 servers)."""
+
+    def check(self) -> None:
+        for name in ("trainer_tp", "trainer_pp", "trainer_ep", "engine_tp", "engine_ep", "engine_nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}: want >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str
-    tokenizer: Literal["qwen", "qwen_compact"]
-    """`qwen`: the full Qwen vocabulary; `qwen_compact`: its first `compact_ranks` BPE ranks + Qwen3 specials."""
+    path: str
+    """A local Hugging Face checkpoint folder (config.json, safetensors shards, tokenizer.json),
+    read on every cell, nothing downloaded; "" = the seeded random init from the sizes below."""
+    tokenizer: Literal["qwen", "qwen_compact", "hf"]
+    """`qwen`: the full Qwen vocabulary; `qwen_compact`: its first `compact_ranks` BPE ranks + Qwen3
+    specials; `hf`: the checkpoint's own tokenizer.json (needs `path`)."""
     compact_ranks: int
     hidden_size: int
+    """The sizes describe the seeded model; with `path` they are 0 and the checkpoint's config.json rules."""
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -27,10 +51,23 @@ class ModelConfig:
     tie_word_embeddings: bool
     init_seed: int
     """Seed of the random init: every cell builds bit-identical version-0 weights from it."""
+    parallel: ModelParallel
+
+    SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
 
     def check(self) -> None:
         if not 256 <= self.compact_ranks <= 151643:
             raise ValueError(f"compact_ranks: want 256..151643, got {self.compact_ranks}")
+        if self.tokenizer == "hf" and not self.path:
+            raise ValueError("tokenizer: hf reads the checkpoint's tokenizer.json; set model.path")
+        if self.path:
+            given = [n for n in self.SIZES if getattr(self, n)]
+            if given:  # two sources of truth for one model would disagree sooner or later
+                raise ValueError(f"path: the checkpoint's config.json gives the sizes; want 0 for {given}")
+            return
+        if any(getattr(self, n) < 1 for n in self.SIZES):
+            raise ValueError(f"want every size >= 1 for a seeded model (or a model.path): {list(self.SIZES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads: want a multiple of num_key_value_heads")
 
@@ -101,9 +138,6 @@ class MegatronConfig:
     kernels (needs transformer-engine on the GPU install)."""
     pad_vocab_to: int
     """Embedding rows are padded to a multiple of this x TP; padded logits are masked out."""
-    hf_checkpoint: str
-    """An HF Qwen3 / Qwen3-MoE folder (config.json + safetensors) for version 0; "" = the seeded
-    init of ``cellrunner.model`` from the model config (what every other cell builds)."""
     offload_when_serving: bool
     """On CUDA, the core moves its weights, gradients and Adam state to host memory while it serves."""
     moe_aux_loss_coeff: float
@@ -138,8 +172,6 @@ class SGLangConfig:
     weight_update: Literal["disk"]
     weight_dir: str
     """Where new versions are written for ``/update_weights_from_disk`` (tmpfs: /dev/shm/...)."""
-    hf_checkpoint: str
-    """An HF model folder to serve from start; "" = the model config with dummy weights."""
     startup_timeout_s: float
     request_timeout_s: float
     poll_interval_s: float

@@ -34,7 +34,7 @@ from aiohttp import web
 from cellrunner import engine_batch
 from cellrunner.config import ModelConfig
 from cellrunner.engine_batch import BatchLoop, GenRequest
-from cellrunner.model import FlatWeights, build_model, load_flat, num_elements
+from cellrunner.model import FlatWeights, build_model, load_flat, max_positions, num_elements
 from controller import engine_key
 from controller.wire import TensorSpec
 
@@ -208,6 +208,7 @@ class EmbeddedEngine:
         if max_running < 1:
             raise ValueError(f"max_running: want >= 1, got {max_running}")
         self._model_cfg = model_cfg
+        self._max_positions = max_positions(model_cfg)
         self._vocab_size = vocab_size
         self._host, self._port = host, port
         self._cell_id = cell_id
@@ -345,7 +346,7 @@ class EmbeddedEngine:
             return _error(400, "body: not valid JSON")
         try:
             fields = parse_generate(
-                body, vocab_size=self._vocab_size, max_positions=self._model_cfg.max_position_embeddings
+                body, vocab_size=self._vocab_size, max_positions=self._max_positions
             )
         except BadRequest as e:
             return _error(400, str(e))

@@ -161,7 +161,8 @@ def write_weights(weights: FlatWeights, directory: str, *, dtype: torch.dtype, c
 def model_config_json(model_cfg: ModelConfig, vocab_size: int, dtype: str) -> dict:
     """An HF config.json SGLang can build the model from (it picks the class by ``architectures``)."""
     cfg = hf_config(model_cfg, vocab_size)
-    cfg.architectures = ["Qwen3ForCausalLM"]
+    if not model_cfg.path:  # a checkpoint's config.json names its own (Qwen3MoeForCausalLM...)
+        cfg.architectures = ["Qwen3ForCausalLM"]
     out = cfg.to_dict()
     out["torch_dtype"] = dtype
     return out
@@ -211,10 +212,10 @@ class SGLangEngine:
 
     def start(self) -> None:
         port = self._port or _free_port(self._host)
-        model_path = self.cfg.hf_checkpoint or self._write_model_dir()
+        model_path = self._model_cfg.path or self._write_model_dir()
         cmd = launch_command(
             self.cfg, model_path=model_path, host=self._host, port=port, max_running=self._max_running,
-            seed=self._seed, dummy_weights=not self.cfg.hf_checkpoint, node_rank=self._node_rank,
+            seed=self._seed, dummy_weights=not self._model_cfg.path, node_rank=self._node_rank,
             dist_init_addr=self._dist_init_addr,
         )
         os.makedirs(self._log_dir, exist_ok=True)

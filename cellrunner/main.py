@@ -36,7 +36,7 @@ from cellrunner.backends import (
 )
 from cellrunner.errors import BackendUnavailable
 from cellrunner.grads import GradExchange
-from cellrunner.model import FlatWeights, build_model, flatten_params
+from cellrunner.model import FlatWeights, build_model, flatten_params, vocab_rows, weights_digest
 from cellrunner.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
@@ -46,7 +46,6 @@ from controller import curve, engine_key, wire
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
-from harness_proxy.tokenizer import get_tokenizer
 
 log = logging.getLogger("cellrunner")
 
@@ -64,8 +63,7 @@ class CellRunner:
         self.ctl.setsockopt(zmq.LINGER, 1000)
         curve.client(self.ctl, "controller")
         self.ctl.connect(controller_addr)
-        tok = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks)
-        self.vocab_size = tok.vocab_size
+        self.vocab_size = vocab_rows(cfg.model)
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
             channel = CommandChannel()
@@ -111,7 +109,7 @@ class CellRunner:
         self.send(wire.CellReady(
             cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
             grads_addrs=self.core_grads_addrs, is_core=self.is_core, weight_version=initial.version,
-            rank_weights_addrs=self.core_rank_weights_addrs,
+            rank_weights_addrs=self.core_rank_weights_addrs, weights_digest=weights_digest(initial),
         ))
 
     # -- loop --------------------------------------------------------------------------------
@@ -341,8 +339,7 @@ def main() -> None:
         if not ranks.is_leader:
             from cellrunner.follower import run_follower
 
-            vocab_size = get_tokenizer(cfg.model.tokenizer, cfg.model.compact_ranks).vocab_size
-            run_follower(cfg, args.cell_id, ranks, vocab_size, api_key)
+            run_follower(cfg, args.cell_id, ranks, vocab_rows(cfg.model), api_key)
         else:
             runner = CellRunner(cfg, args.cell_id, args.controller, ranks, api_key)
             signal.signal(signal.SIGTERM, lambda *_: setattr(runner, "running", False))

@@ -247,12 +247,7 @@ class MegatronTrainer:
                              "set algo.tree_packing=false with trainer=megatron")
         self.model_cfg, self.algo, self.vocab_size, self.is_core, self.cfg = model_cfg, algo, vocab_size, is_core, megatron
         ensure_process_groups(megatron, seed=seed)
-        if megatron.hf_checkpoint:
-            from transformers import AutoConfig
-
-            self.hf_config = AutoConfig.from_pretrained(megatron.hf_checkpoint)
-        else:
-            self.hf_config = hf_config(model_cfg, vocab_size)
+        self.hf_config = hf_config(model_cfg, vocab_size)  # the checkpoint's own with model.path
         self.layout = layout_from_hf(self.hf_config, pad_to=megatron.pad_vocab_to,
                                      tp_size=megatron.tensor_model_parallel_size, layer_spec=megatron.layer_spec)
         self.specs = hf_specs(self.layout)
@@ -538,8 +533,8 @@ class MegatronTrainer:
         self._pad_cols = pad if bool(pad.any()) else None
 
     def _initial_hf(self) -> dict[str, torch.Tensor]:
-        if self.cfg.hf_checkpoint:
-            return load_hf_safetensors(self.cfg.hf_checkpoint)
+        if self.model_cfg.path:
+            return load_hf_safetensors(self.model_cfg.path)
         # The same seeded init as cellrunner.model, so version 0 matches every other cell's.
         return {n: p.detach() for n, p in build_model(self.model_cfg, self.vocab_size).named_parameters()}
 
@@ -612,8 +607,9 @@ class MegatronTrainer:
         return loss, num_tokens, {"loss": loss.detach()}
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log pi_theta of each next token, [B, L-1], from vocab-parallel logits [B, L, V/tp]."""
-        lg = logits[:, :-1].float()
+        """log pi_theta of each next token, [B, L-1], from vocab-parallel logits [B, L, V/tp], at the
+        sampling temperature (``algo.rollout``), as the engine scored the tokens it drew."""
+        lg = logits[:, :-1].float() / self.algo.rollout.temperature
         if self._pad_cols is not None:
             lg = lg.masked_fill(self._pad_cols, float("-inf"))
         # vocab_parallel_cross_entropy works in place on fp32 input: hand it its own copy.

@@ -1,22 +1,42 @@
-"""The embedded model: a Qwen3-architecture causal LM built from config, and its flat weights.
+"""The model every cell starts from, and its flat weights.
 
+Version 0 is a local Hugging Face checkpoint (``model.path``: Qwen3 or Qwen3-MoE, loaded by
+``transformers`` from the folder alone) or, without one, a Qwen3-architecture model built from
+the config's sizes with a seeded init. Either way every cell builds the same version-0 weights.
 Weights cross processes as one contiguous float32 buffer plus a manifest (name, shape, offset),
-never as pickled state dicts. Every cell builds the same version-0 weights from the init seed.
+never as pickled state dicts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
+from cellrunner import hf_folder
 from cellrunner.config import ModelConfig
 from controller.wire import TensorSpec
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen3Config:
+def vocab_rows(cfg: ModelConfig) -> int:
+    """The model's embedding rows: the checkpoint's (padded past its tokenizer), else the tokenizer's."""
+    if cfg.path:
+        return hf_folder.vocab_rows(cfg.path)
+    from harness_proxy.tokenizer import get_tokenizer
+
+    return get_tokenizer(cfg.tokenizer, cfg.compact_ranks).vocab_size
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    if cfg.path:
+        hf_folder.read_config(cfg.path)  # a clear error for a folder that is not a Qwen3 checkpoint
+        loaded = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        if loaded.vocab_size != vocab_size:
+            raise ValueError(f"model.path: the checkpoint has {loaded.vocab_size} vocabulary rows, the cell was given {vocab_size}")
+        return loaded
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -33,11 +53,23 @@ def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen3Config:
     )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> Qwen3ForCausalLM:
+def build_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
+    """Version 0 in float32: the checkpoint's weights, or the seeded init."""
+    if cfg.path:
+        config = hf_config(cfg, vocab_size)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, config=config, torch_dtype=torch.float32,
+                                                     local_files_only=True)
+        return model.to(torch.float32)
     torch.manual_seed(cfg.init_seed)
     model = Qwen3ForCausalLM(hf_config(cfg, vocab_size))
     model.to(torch.float32)
     return model
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    if cfg.path:
+        return int(hf_folder.read_config(cfg.path).get("max_position_embeddings", 0)) or 32768
+    return cfg.max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -79,6 +111,16 @@ def flatten_params(model: torch.nn.Module, version: int) -> FlatWeights:
     with torch.no_grad():
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32)
     return FlatWeights(version, param_specs(model), flat.numpy().copy())
+
+
+def weights_digest(weights: FlatWeights) -> str:
+    """BLAKE2b-128 over the manifest and the float32 bytes: equal digests, equal version-0 weights."""
+    h = hashlib.blake2b(digest_size=16)
+    for spec in weights.specs:
+        h.update(f"{spec.name}:{spec.shape}:{spec.offset};".encode())
+    data = weights.data if isinstance(weights.data, np.ndarray) else weights.data.detach().cpu().numpy()
+    h.update(np.ascontiguousarray(data, dtype=np.float32).data)
+    return h.hexdigest()
 
 
 def flatten_grads(model: torch.nn.Module) -> np.ndarray:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from cellrunner.config import (
     EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
+from cellrunner.hf_folder import check_folder
 from controller.loggers.config import LoggerConfig
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
@@ -141,6 +142,8 @@ class GyreConfig:
     """Where the run's figures go besides metrics.jsonl (conf/logger, several at once)."""
 
     def check(self) -> None:
+        if self.model.path:  # here, once, before any cell starts on a folder that is not there
+            check_folder(self.model.path, want_tokenizer=self.model.tokenizer == "hf")
         if self.cluster.ranks_per_node > 1 and not isinstance(self.trainer, MegatronConfig):
             raise ValueError(f"cluster.ranks_per_node={self.cluster.ranks_per_node}: trainer={self.trainer.kind} "
                              "is one process per cell; several ranks per node need trainer=megatron")

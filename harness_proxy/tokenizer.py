@@ -84,3 +84,17 @@ class QwenTokenizer:
 @functools.lru_cache(maxsize=4)
 def get_tokenizer(kind: Literal["qwen", "qwen_compact"], compact_ranks: int = 4096) -> QwenTokenizer:
     return QwenTokenizer(kind, compact_ranks)
+
+
+def load_tokenizer(kind: str, compact_ranks: int, path: str = ""):  # -> QwenTokenizer | HFTokenizer
+    """The run's tokenizer from its model config: the bundled Qwen vocabulary, or (``hf``) the
+    checkpoint folder's own tokenizer.json."""
+    if kind == "hf":
+        from harness_proxy.hf_tokenizer import get_hf_tokenizer
+
+        if not path:
+            raise ValueError("model.tokenizer=hf: want a model.path with a tokenizer.json")
+        return get_hf_tokenizer(path)
+    if kind not in ("qwen", "qwen_compact"):
+        raise ValueError(f"model.tokenizer: want qwen | qwen_compact | hf, got {kind!r}")
+    return get_tokenizer(kind, compact_ranks)  # type: ignore[arg-type]

@@ -41,11 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B); weights are a seeded random init.
-MODEL = dict(
-    name="qwen3-0.6b-shape", tokenizer="qwen", compact_ranks=1024, hidden_size=1024, intermediate_size=3072,
-    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True, init_seed=0,
-)
 VOCAB = 151936  # Qwen3's padded embedding rows
 CHUNK_BYTES = 64 << 20
 
@@ -296,22 +291,29 @@ def run(args: argparse.Namespace) -> dict:
 
         from cellrunner.config import ModelConfig
         from cellrunner.engine_sglang import SGLangConfig, SGLangEngine
+        from cellrunner.make_checkpoint import write_checkpoint
         from cellrunner.megatron_trainer import MegatronConfig, MegatronTrainer
         from controller.typed_config import build
         from trajectory.config import AlgoConfig
 
         figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-        model_cfg = build(ModelConfig, MODEL)
+        # Version 0 is a checkpoint folder, as on a cluster (model=qwen3_hf model.path=...): a
+        # Qwen3-0.6B-shaped random init in bf16 with Qwen3's tokenizer, written here, read by SGLang
+        # (its own loader) and by Megatron (the core's), which must then agree on log-probs.
+        t = time.perf_counter()
+        folder = write_checkpoint(Path(args.work_dir) / "qwen3-0.6b-random", shape="0.6b", dtype="bfloat16")
+        figures["checkpoint_write_s"] = round(time.perf_counter() - t, 2)
+        model_cfg = build(ModelConfig, {**yaml.safe_load(open(ROOT / "conf/model/qwen3_hf.yaml")), "path": str(folder)})
         algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
                                   "lr": 1e-6, "max_tokens_per_microstep": 8192, "tree_packing": False})
         sg_cfg = build(SGLangConfig, dict(
             kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
             mem_fraction_static=args.mem_fraction, dtype="bfloat16", context_length=2048,
             disable_cuda_graph=args.disable_cuda_graph, weight_update="disk", weight_dir=args.work_dir,
-            hf_checkpoint="", startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[]))
+            startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[]))
         mg_cfg = MegatronConfig(kind="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                 expert_model_parallel_size=1, params_dtype="bfloat16", layer_spec="local",
-                                pad_vocab_to=128, hf_checkpoint="", offload_when_serving=True, moe_aux_loss_coeff=0.0)
+                                pad_vocab_to=128, offload_when_serving=True, moe_aux_loss_coeff=0.0)
 
         with report.stage("sglang_start", needs_s=120) as go:
             if go:

@@ -204,7 +204,7 @@ web.run_app(app, host=args.host, port=args.port, print=None)
 def sglang_cfg(tmp_path: Path, **over) -> SGLangConfig:
     base = dict(kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
                 mem_fraction_static=0.7, dtype="bfloat16", context_length=0, disable_cuda_graph=False,
-                weight_update="disk", weight_dir=str(tmp_path / "weights"), hf_checkpoint="",
+                weight_update="disk", weight_dir=str(tmp_path / "weights"),
                 startup_timeout_s=30.0, request_timeout_s=30.0, poll_interval_s=0.02, extra_args=[])
     return build(SGLangConfig, {**base, **over})
 

@@ -64,7 +64,7 @@ def algo_cfg(**over) -> AlgoConfig:
 def megatron_cfg(tp: int = 1) -> MegatronConfig:
     return MegatronConfig(kind="megatron", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                           expert_model_parallel_size=1, params_dtype="float32", layer_spec="local", pad_vocab_to=128,
-                          hf_checkpoint="", offload_when_serving=False, moe_aux_loss_coeff=0.0)
+                          offload_when_serving=False, moe_aux_loss_coeff=0.0)
 
 
 def make_shard(seed: int, *, step: int = 0, num_seqs: int = 4, on_policy_from: EmbeddedTrainer | None = None) -> wire.Shard:
@@ -177,9 +177,10 @@ def test_moe_from_an_hf_checkpoint_matches_transformers(tmp_path):
     hf_model.save_pretrained(tmp_path / "hf")
     on_disk = load_hf_safetensors(str(tmp_path / "hf"))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in on_disk  # per-expert names, as SGLang loads them
-    cfg = MegatronConfig(**{**vars(megatron_cfg()), "hf_checkpoint": str(tmp_path / "hf")})
-    meg = MegatronTrainer(model_cfg=model_cfg(), algo=algo_cfg(eps_low=0.2, eps_high=10.0), vocab_size=VOCAB,
-                          is_core=True, megatron=cfg)
+    from_folder = build(ModelConfig, {**yaml.safe_load(open(ROOT / "conf/model/qwen3_hf.yaml")),
+                                      "path": str(tmp_path / "hf"), "tokenizer": "qwen_compact"})
+    meg = MegatronTrainer(model_cfg=from_folder, algo=algo_cfg(eps_low=0.2, eps_high=10.0), vocab_size=VOCAB,
+                          is_core=True, megatron=megatron_cfg())
     meg.start(None)
     assert meg.layout.moe_layers == (1,) and meg.version == 0
     exported = meg.weights()

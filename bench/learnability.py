@@ -273,7 +273,7 @@ def learn(args: argparse.Namespace, wl: WorkloadConfig, mc: ModelConfig, algo: A
         t0 = time.perf_counter()
         tasks = [t for t in rng.sample(train, wl.groups_per_step) for _ in range(wl.group_size)]
         execs = run_executions(behaviour, tok, tasks, max_turns=wl.max_turns, max_new_tokens=wl.max_new_tokens,
-                               temperature=wl.temperature, greedy=False, gen=gen)
+                               temperature=algo.rollout.temperature, greedy=False, gen=gen)
         rewards = [reward(e) for e in execs]
         t1 = time.perf_counter()
         seqs = to_sequences(execs, rewards, wl.group_size, algo.adv_eps, step)

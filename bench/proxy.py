@@ -378,6 +378,7 @@ class Processes:
                       "retry_attempts": 1, "route_wait_s": 1.0,
                       "record_ack_timeout_s": 120.0, "record_resend_s": 2.0, "max_unacked_record_bytes": 1 << 30},
             "model": {"tokenizer": self.tokenizer, "compact_ranks": 1024},
+            "rollout": {"temperature": 1.0, "top_p": 1.0, "top_k": -1},
         }))
         ready = self.tmp / "proxy-ready.json"
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []

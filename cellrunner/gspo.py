@@ -59,10 +59,11 @@ def pack(sequences: list[Sequence]) -> PackedBatch:
     )
 
 
-def token_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """log pi_theta of each next token, [B, L-1]."""
+def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi_theta of each next token, [B, L-1], at the sampling temperature (``algo.rollout``):
+    the distribution the engine drew the tokens from and scored them under."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logits = logits.float()
+    logits = logits.float() / temperature
     return torch.gather(torch.log_softmax(logits, dim=-1), 2, batch.targets.unsqueeze(-1)).squeeze(-1)
 
 

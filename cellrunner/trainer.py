@@ -144,9 +144,10 @@ class EmbeddedTrainer:
         for chunk in chunks:
             batch = pack(chunk)
             if self.algo.tree_packing:
-                logprobs = packed_token_logprobs(self.model, chunk, targets_only=True)
+                logprobs = packed_token_logprobs(self.model, chunk, targets_only=True,
+                                                 temperature=self.algo.rollout.temperature)
             else:
-                logprobs = token_logprobs(self.model, batch)
+                logprobs = token_logprobs(self.model, batch, self.algo.rollout.temperature)
             num_tokens += batch.num_targets
             n += len(chunk)
             if shard.run_released:  # no advantage yet: keep the gradient apart (run_release.py)

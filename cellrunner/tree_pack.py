@@ -187,8 +187,9 @@ def packed_token_logprobs(
     *,
     attention: Attention = "segments",
     targets_only: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``token_logprobs(model, pack(sequences))`` computed over the prefix trie; ``[B, L-1]``.
+    """``token_logprobs(model, pack(sequences), temperature)`` computed over the prefix trie; ``[B, L-1]``.
 
     ``targets_only`` runs the LM head and log-softmax only at positions whose next token is a
     target (``target_mask`` 1) in some chain and leaves every other entry 0: ``gspo_loss`` and its
@@ -205,7 +206,7 @@ def packed_token_logprobs(
         raise ValueError(f"attention: want 'segments' or 'mask', got {attention!r}")
     wanted = tree.target if targets_only else src >= 0
     rows, where = np.unique(src[wanted], return_inverse=True)       # positions the head runs on
-    logits = model.get_output_embeddings()(hidden[torch.from_numpy(rows)]).float()
+    logits = model.get_output_embeddings()(hidden[torch.from_numpy(rows)]).float() / temperature
     picked = logits[torch.from_numpy(where), torch.from_numpy(tree.next_tokens[wanted])]
     picked = picked - torch.logsumexp(logits, dim=-1)[torch.from_numpy(where)]
     out = torch.zeros(src.shape, dtype=picked.dtype)

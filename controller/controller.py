@@ -138,6 +138,7 @@ class Controller:
         self.restarts: Counter[str] = Counter()  # processor / proxy -> restarts in place so far
         self.sealed: list[str] = []  # executions whose SealExecution went out, again to a new proxy
         self.service_seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
+        self.start_digests: dict[int, tuple[int, str]] = {}  # weight version -> (first cell, its weights digest)
         self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
         self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
         self.t0 = time.monotonic()
@@ -228,7 +229,8 @@ class Controller:
         return self._start_child(
             "proxy", "harness_proxy.main",
             {"proxy": {**to_dict(c.proxy), "port": port},
-             "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks}},
+             "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks, "path": c.model.path},
+             "rollout": to_dict(c.algo.rollout)},
             ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
              "--unix-socket", str(self.proxy_socket), *self.curve_args(), *self.engine_key_args(),
              "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
@@ -448,9 +450,22 @@ class Controller:
         cell.rank_weights_addrs = msg.rank_weights_addrs
         cell.weight_version = msg.weight_version
         now = time.monotonic()
+        self.metrics.log("cell_ready", t=now - self.t0, cell=cell.cell_id, weight_version=msg.weight_version,
+                         weights_digest=msg.weights_digest)
+        self._check_same_start(cell.cell_id, msg.weight_version, msg.weights_digest)
         cell.last_seen = now
         cell.phase_since = now
         cell.set_phase("serving", now)
+
+    def _check_same_start(self, cell_id: int, version: int, digest: str) -> None:
+        """Two cells serving one version from different bytes would train on samples of a policy
+        that does not exist (a satellite on its own random init, a stale folder on one node)."""
+        if not digest:
+            return
+        first = self.start_digests.setdefault(version, (cell_id, digest))
+        if first[1] != digest:
+            raise RunFailed(f"cell {cell_id} starts version {version} from other weights than cell {first[0]} "
+                            f"(digest {digest} against {first[1]}): every cell must load the same model.path")
 
     def on_heartbeat(self, ident: bytes, msg: wire.Heartbeat) -> None:
         cell = self._cell(ident, msg.cell_id)
@@ -637,7 +652,7 @@ class Controller:
         for g in range(num_groups):
             task = self.rng.choice(self.train_tasks)
             self.executions.plan_group(step=step, group_id=f"s{step}-{tag}{g}", task=task, train=True,
-                                       temperature=w.temperature, size=w.group_size,
+                                       temperature=self.cfg.algo.rollout.temperature, size=w.group_size,
                                        min_version=step - self.cfg.scheduler.staleness)
 
     def start_eval(self, label: str) -> None:

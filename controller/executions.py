@@ -171,7 +171,7 @@ class ExecutionManager:
         self.taskset.prepare(ex.task, ws)
         prompt_file = folder / "prompt.md"
         prompt_file.write_text(ex.task.prompt, encoding="utf-8")
-        token = mint_token(self.secret, ex.execution_id, min_version=ex.min_version)
+        token = mint_token(self.secret, ex.execution_id, min_version=ex.min_version, train=ex.train)
         launch = HarnessLaunch(
             execution_id=ex.execution_id, workspace=ws, prompt_file=prompt_file, home=home, model=self.model_name,
             base_url=f"{self.proxy.url}/v1", anthropic_base_url=self.proxy.url, token=token,

@@ -87,9 +87,14 @@ class CellReady(Message):
     """A multi-rank core's ranks' own-shard publishers, in rank order (``cellrunner.rank_weights``)."""
     weight_version: int = 0
     """The version the cell starts with: 0, or the checkpoint's the controller resumed the core from."""
+    weights_digest: str = ""
+    """``cellrunner.model.weights_digest`` of the weights the cell's engine starts from: every cell
+    that starts at one version must start from the same bytes ("" from a cell that did not hash)."""
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
+        if len(self.weights_digest) > 128:
+            raise ValueError("weights_digest: over 128 characters")
         _addresses("grads_addrs", self.grads_addrs)
         _addresses("rank_weights_addrs", self.rank_weights_addrs)
         if self.is_core and not self.grads_addrs:
@@ -449,10 +454,26 @@ class CallRecord(Message):
     finished_at: float
     num_tool_calls: int = 0
     """Tool calls the proxy parsed out of the output (for per-execution facts; never for training)."""
+    temperature: float = 1.0
+    """What the engine sampled at (0: greedy), with ``top_p`` and ``top_k`` (-1: all): for a training
+    execution the run's ``algo.rollout``, which the trainer scores at; the behaviour log-probs are
+    log_softmax(logits / temperature) over the whole vocabulary."""
+    top_p: float = 1.0
+    top_k: int = -1
+    harness_temperature: float = 1.0
+    """What the harness asked for (its default when it named none), kept beside what was used."""
+    harness_top_p: float = 1.0
 
     def check(self) -> None:
         if self.num_tool_calls < 0:
             raise ValueError("num_tool_calls: want >= 0")
+        for name in ("temperature", "harness_temperature"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}: want a finite number >= 0")
+        if not (0 < self.top_p <= 1 and 0 < self.harness_top_p <= 1):
+            raise ValueError("top_p, harness_top_p: want (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError("top_k: want -1 (all) or >= 1")
         if len(self.output_ids) != len(self.output_logprobs):
             raise ValueError("output_logprobs: want one per output token")
         if not self.prompt_ids:

@@ -1,10 +1,12 @@
 """Per-execution bearer tokens: stateless, HMAC-signed, one per harness run.
 
-A token is ``gyre.<execution_id>.<min_version>.<hex HMAC-SHA256(secret, execution_id, min_version)>``.
+A token is ``gyre.<execution_id>.<min_version>.<t|e>.<hex HMAC-SHA256(secret, all three)>``.
 Whoever holds the secret (the controller mints, the proxy verifies) can check a token without a
 table, so a proxy restart loses nothing. ``min_version`` is the oldest weight version the
 execution's step accepts (step - staleness): it travels with every call, so the proxy never routes
 a call to an engine that is too old, even before the routing table that drops that engine arrives.
+``t``/``e`` says whether the execution trains (the proxy then samples at the run's rollout
+parameters, whatever the harness asks) or is evaluated (the harness's own parameters stand).
 
 Tokens end with their run: the controller draws a fresh secret each time it starts (a resumed run
 too), so no token of another run, or of an earlier attempt of this one, verifies. Within a run,
@@ -27,19 +29,22 @@ TOKEN_PREFIX = "gyre"
 EXECUTION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _VERSION_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _MAC_HEX_LEN = 64
-_DOMAIN = b"gyre-execution-token/2:"  # keeps these MACs distinct from any other use of the secret
+_MODES = {"t": True, "e": False}
+_DOMAIN = b"gyre-execution-token/3:"  # keeps these MACs distinct from any other use of the secret
 
 
 class TokenClaims(NamedTuple):
     execution_id: str
     min_version: int
+    train: bool = True
+    """A training execution (sampled at the run's rollout parameters), not an eval one."""
 
 
-def _mac(secret: bytes, execution_id: str, min_version: int) -> str:
-    return hmac.new(secret, _DOMAIN + f"{execution_id}.{min_version}".encode("ascii"), hashlib.sha256).hexdigest()
+def _mac(secret: bytes, execution_id: str, min_version: int, mode: str) -> str:
+    return hmac.new(secret, _DOMAIN + f"{execution_id}.{min_version}.{mode}".encode("ascii"), hashlib.sha256).hexdigest()
 
 
-def mint_token(secret: bytes, execution_id: str, *, min_version: int = 0) -> str:
+def mint_token(secret: bytes, execution_id: str, *, min_version: int = 0, train: bool = True) -> str:
     """The bearer token for one execution; raise ValueError for an id outside ``[A-Za-z0-9_-]{1,64}``
     or a ``min_version`` that is not an integer in [0, 10**10)."""
     if not secret:
@@ -48,7 +53,8 @@ def mint_token(secret: bytes, execution_id: str, *, min_version: int = 0) -> str
         raise ValueError(f"execution_id: want [A-Za-z0-9_-]{{1,64}}, got {execution_id!r}")
     if isinstance(min_version, bool) or not isinstance(min_version, int) or not 0 <= min_version < 10**10:
         raise ValueError(f"min_version: want an integer in [0, 10**10), got {min_version!r}")
-    return f"{TOKEN_PREFIX}.{execution_id}.{min_version}.{_mac(secret, execution_id, min_version)}"
+    mode = "t" if train else "e"
+    return f"{TOKEN_PREFIX}.{execution_id}.{min_version}.{mode}.{_mac(secret, execution_id, min_version, mode)}"
 
 
 def verify_token(secret: bytes, token: str) -> TokenClaims | None:
@@ -56,15 +62,17 @@ def verify_token(secret: bytes, token: str) -> TokenClaims | None:
     if not isinstance(token, str) or len(token) > 200 or not secret:
         return None
     parts = token.split(".")
-    if len(parts) != 4 or parts[0] != TOKEN_PREFIX:
+    if len(parts) != 5 or parts[0] != TOKEN_PREFIX:
         return None
-    _, execution_id, version, mac = parts
-    if not EXECUTION_ID_RE.fullmatch(execution_id) or not _VERSION_RE.fullmatch(version) or len(mac) != _MAC_HEX_LEN:
+    _, execution_id, version, mode, mac = parts
+    if (not EXECUTION_ID_RE.fullmatch(execution_id) or not _VERSION_RE.fullmatch(version) or mode not in _MODES
+            or len(mac) != _MAC_HEX_LEN):
         return None
     min_version = int(version)
-    if not hmac.compare_digest(mac.encode("ascii", "replace"), _mac(secret, execution_id, min_version).encode("ascii")):
+    want = _mac(secret, execution_id, min_version, mode)
+    if not hmac.compare_digest(mac.encode("ascii", "replace"), want.encode("ascii")):
         return None
-    return TokenClaims(execution_id, min_version)
+    return TokenClaims(execution_id, min_version, _MODES[mode])
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -1,7 +1,8 @@
 """The proxy process: ``python -m harness_proxy.main --config-json F --controller ADDR --processor ADDR
 --secret-file F --ready-file F [--unix-socket PATH] [--curve-keys DIR]``.
 
-- ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", ...}}``.
+- ``--config-json``: ``{"proxy": <conf/proxy fields>, "model": {"tokenizer", "compact_ranks", "path"},
+  "rollout": <algo.rollout fields>}``.
 - ``--controller``: a ZMQ ROUTER; the proxy connects a DEALER, sends ``Hello(peer="proxy")``, then
   obeys ``RoutingTable``, ``SealExecution`` and ``Shutdown``. A frame it cannot decode is logged and
   answered with ``ErrorReply``; the process keeps running.
@@ -46,7 +47,8 @@ from harness_proxy.auth import read_secret
 from harness_proxy.config import ProxyConfig
 from harness_proxy.record_sink import ZmqRecordSink
 from harness_proxy.server import ProxyServer
-from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
+from harness_proxy.tokenizer import QwenTokenizer, load_tokenizer
+from trajectory.config import RolloutSampling
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +73,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_config(path: Path) -> tuple[ProxyConfig, QwenTokenizer]:
+def load_config(path: Path) -> tuple[ProxyConfig, QwenTokenizer, RolloutSampling]:
     data = json.loads(path.read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("proxy"), dict) or not isinstance(data.get("model"), dict):
-        raise ConfigError(f"{path}: want {{'proxy': {{...}}, 'model': {{'tokenizer', 'compact_ranks'}}}}")
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("proxy", "model", "rollout")):
+        raise ConfigError(f"{path}: want {{'proxy': {{...}}, 'model': {{'tokenizer', 'compact_ranks', 'path'}}, "
+                          "'rollout': {{'temperature', 'top_p', 'top_k'}}}}")
     cfg = build(ProxyConfig, data["proxy"], "proxy")
+    rollout = build(RolloutSampling, data["rollout"], "rollout")
     model: dict[str, Any] = data["model"]
-    kind, ranks = model.get("tokenizer"), model.get("compact_ranks")
-    if kind not in ("qwen", "qwen_compact") or type(ranks) is not int:
-        raise ConfigError(f"model: want tokenizer qwen|qwen_compact and an int compact_ranks, got {kind!r}, {ranks!r}")
-    return cfg, get_tokenizer(kind, ranks)
+    kind, ranks, folder = model.get("tokenizer"), model.get("compact_ranks"), model.get("path", "")
+    if kind not in ("qwen", "qwen_compact", "hf") or type(ranks) is not int or not isinstance(folder, str):
+        raise ConfigError(f"model: want tokenizer qwen|qwen_compact|hf, an int compact_ranks and a str path, "
+                          f"got {kind!r}, {ranks!r}, {folder!r}")
+    try:
+        return cfg, load_tokenizer(kind, ranks, folder), rollout
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def write_ready_file(path: Path, url: str, unix_socket: Path | None = None) -> None:
@@ -154,11 +162,12 @@ async def heartbeats(sock: zmq.asyncio.Socket, every_s: float) -> None:
         await asyncio.sleep(every_s)
 
 
-async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, secret: bytes, api_key: str = "") -> int:
+async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, rollout: RolloutSampling, secret: bytes,
+              api_key: str = "") -> int:
     ctx = zmq.asyncio.Context()
     sink = ZmqRecordSink(ctx, args.processor, resend_s=cfg.record_resend_s)
     sink.start()
-    server = ProxyServer(cfg, tokenizer=tok, secret=secret, sink=sink, engine_api_key=api_key)
+    server = ProxyServer(cfg, tokenizer=tok, rollout=rollout, secret=secret, sink=sink, engine_api_key=api_key)
     control = ctx.socket(zmq.DEALER)
     control.setsockopt(zmq.LINGER, 1000)
     curve.client(control, "controller")
@@ -206,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     exit_with_parent()  # a controller that died without stopping us
     try:
-        cfg, tok = load_config(args.config_json)
+        cfg, tok, rollout = load_config(args.config_json)
         secret = read_secret(args.secret_file)
         api_key = engine_key.read_key(args.engine_key_file) if args.engine_key_file else ""
         curve.install(args.curve_keys, "proxy")
     except (ConfigError, OSError, ValueError, curve.CurveError) as exc:  # JSON and hex errors are ValueErrors
         log.error("proxy failed to start: %s", exc)
         return 2
-    return asyncio.run(run(args, cfg, tok, secret, api_key))
+    return asyncio.run(run(args, cfg, tok, rollout, secret, api_key))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from harness_proxy.routing import Router
 from harness_proxy.sessions import SESSION_MEMORY_BYTES, SessionStore
 from harness_proxy.template import ParsedOutput, parse_output, render_messages
 from harness_proxy.tokenizer import QwenTokenizer
+from trajectory.config import RolloutSampling
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class _Call:
     call_id: str
     prompt_ids: list[int]
     sampling_params: dict[str, Any]
+    asked: tuple[float, float] = (1.0, 1.0)
+    """The harness's own temperature and top_p, recorded beside what the engine used."""
     lineage: wire.Lineage = "main"
     agent_id: str = ""
     """The harness's agent id, recorded on the CallRecord ('' for the main agent)."""
@@ -178,14 +181,16 @@ class ProxyServer:
 
     def __init__(
         self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
-        session_memory_bytes: int = SESSION_MEMORY_BYTES, max_revoked: int = MAX_REVOKED_EXECUTIONS,
-        engine_api_key: str = "",
+        rollout: RolloutSampling, session_memory_bytes: int = SESSION_MEMORY_BYTES,
+        max_revoked: int = MAX_REVOKED_EXECUTIONS, engine_api_key: str = "",
     ):
-        """``engine_api_key``: the run's engine key (``controller.engine_key``), sent to every engine."""
+        """``engine_api_key``: the run's engine key (``controller.engine_key``), sent to every engine.
+        ``rollout``: what training executions sample at (``algo.rollout``), whatever the harness asks."""
         if not secret:
             raise ValueError("secret: empty")
         self.cfg = cfg
         self.tok = tokenizer
+        self.rollout = rollout
         self.sink = sink
         self.router = Router()
         self.sessions = SessionStore(tokenizer, memory_bytes=session_memory_bytes)
@@ -201,6 +206,7 @@ class ProxyServer:
         self.num_refused_backlog = 0
         self.trim = TrimAfterSeals()
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
+        self._evals: set[str] = set()  # live executions whose token says eval: the harness's sampling stands
         self._background: set[asyncio.Task[Any]] = set()
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -272,6 +278,7 @@ class ProxyServer:
         else:
             exe = self._executions.pop(execution_id, None) or _Execution()
             num_calls = self.revoked.revoke(execution_id, exe.num_calls, self._min_version.pop(execution_id, None))
+            self._evals.discard(execution_id)
             for task in exe.in_flight:
                 task.cancel()
             self.sessions.drop_execution(execution_id)
@@ -430,6 +437,8 @@ class ProxyServer:
         if why is not None:
             raise Refusal(401, why, kind="token_revoked", source=execution_id, code="invalid_api_key")
         self._min_version[execution_id] = claims.min_version
+        if not claims.train:
+            self._evals.add(execution_id)
         return execution_id
 
     async def _read_body(self, request: web.Request, execution_id: str) -> bytes:
@@ -528,14 +537,15 @@ class ProxyServer:
             raise PromptTooLong(num_prompt, limit)
         cap = self.cfg.max_new_tokens_cap
         max_new = min(chat.max_tokens or cap, cap, limit - num_prompt)
-        sampling = {
-            "max_new_tokens": max_new,
-            "temperature": chat.temperature, "top_p": chat.top_p,
-            "stop_token_ids": [self.tok.im_end, self.tok.endoftext],
-        }
+        if execution_id in self._evals:
+            used = {"temperature": chat.temperature, "top_p": chat.top_p, "top_k": -1}
+        else:  # training data must come from the distribution the trainer scores (algo.rollout)
+            r = self.rollout
+            used = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}
+        sampling = {"max_new_tokens": max_new, **used, "stop_token_ids": [self.tok.im_end, self.tok.endoftext]}
         call = _Call(
             execution_id=execution_id, agent=plan.agent, call_id=call_id, prompt_ids=plan.prompt_ids,
-            sampling_params=sampling, lineage=plan.lineage, agent_id=plan.agent_id,  # type: ignore[arg-type]
+            sampling_params=sampling, asked=(chat.temperature, chat.top_p), lineage=plan.lineage, agent_id=plan.agent_id,  # type: ignore[arg-type]
             capped_by_run=max_new == cap and (chat.max_tokens is None or cap < chat.max_tokens),
         )
         return call, plan.spliced
@@ -555,7 +565,9 @@ class ProxyServer:
             prompt_ids=call.prompt_ids, output_ids=result.output_ids, output_logprobs=result.output_logprobs,
             weight_version=result.weight_version, cell_id=result.route.cell_id, finish_reason=result.finish,
             lineage=call.lineage, agent_id=call.agent_id, started_at=started_at, finished_at=finished_at,
-            num_tool_calls=num_tool_calls,
+            num_tool_calls=num_tool_calls, temperature=float(call.sampling_params["temperature"]),
+            top_p=float(call.sampling_params["top_p"]), top_k=int(call.sampling_params["top_k"]),
+            harness_temperature=float(call.asked[0]), harness_top_p=float(call.asked[1]),
         )
         record.check()
         exe.num_calls += 1

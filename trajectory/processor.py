@@ -246,6 +246,7 @@ class Processor:
             self.counters.num_eval_records += 1
             return []
         try:
+            self._check_sampling(record)
             inserted = ex.tree.insert(record)
         except ValueError as exc:
             self.counters.num_rejected += 1
@@ -259,6 +260,15 @@ class Processor:
         elif not inserted:
             self.counters.num_hung_up_calls += 1
         return []
+
+    def _check_sampling(self, record: CallRecord) -> None:
+        """A training call must have been sampled as the trainer scores it (``algo.rollout``); any
+        other behaviour log-probs would bias every ratio of the trajectory. The proxy enforces it, so
+        this refuses only records of another run's config (a resumed run whose rollout changed)."""
+        r = self.algo.rollout
+        if (record.temperature, record.top_p, record.top_k) != (r.temperature, r.top_p, r.top_k):
+            raise ValueError(f"sampled at temperature {record.temperature}, top_p {record.top_p}, top_k {record.top_k}; "
+                             f"the run trains at algo.rollout {r.temperature}, {r.top_p}, {r.top_k}")
 
     def on_sealed(self, sealed: ExecutionSealed) -> list[Message]:
         if sealed.execution_id in self._done_executions:

@@ -57,7 +57,6 @@ class WorkloadConfig:
     """A group with fewer gradable executions is dropped whole, and counted."""
     max_turns: int
     max_new_tokens: int
-    temperature: float
     timeout_s: float
     """A harness run past this is killed and graded from its workspace (partial grading)."""
     task_seed: int

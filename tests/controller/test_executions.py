@@ -113,7 +113,7 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
         assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + cfg.harness_nice)
         # The token travels in the environment, never on argv (readable by any local user in /proc).
         token = _environ(proc.pid)["OPENAI_API_KEY"]
-        assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3)
+        assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3, True)  # a training run: sampled at algo.rollout
         assert token not in " ".join(proc.args)
     finally:
         ex.spawning.result().kill()

@@ -63,7 +63,7 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
         report["engine_status"] = exc.code
     secret = (run_dir / "proxy.secret").read_text().strip()
     engine_key = (run_dir / "engine.key").read_text().strip()
-    token = re.compile(r"gyre\.[A-Za-z0-9_-]+\.\d+\.[0-9a-f]{64}")
+    token = re.compile(r"gyre\.[A-Za-z0-9_-]+\.\d+\.[te]\.[0-9a-f]{64}")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not done.is_set():
         for p in psutil.process_iter(["cmdline"]):

@@ -30,6 +30,7 @@ from harness_proxy.config import ProxyConfig
 from harness_proxy.record_sink import ZmqRecordSink
 from harness_proxy.server import ProxyServer
 from harness_proxy.tokenizer import get_tokenizer
+from trajectory.config import RolloutSampling
 from trajectory.inbox import RecordInbox
 
 SECRET = b"test-secret-0123456789abcdef"
@@ -41,6 +42,10 @@ PROXY_CONFIG = {
     "retry_attempts": 3, "route_wait_s": 0.3, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
     "max_unacked_record_bytes": 1 << 30,
 }
+
+
+ROLLOUT = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+"""algo.rollout as conf/algo/gspo.yaml has it: what training executions sample at."""
 
 
 def proxy_config(**overrides: Any) -> ProxyConfig:
@@ -133,7 +138,7 @@ class ScriptedEngine:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         assert isinstance(body["input_ids"], list) and body["return_logprob"] is True
-        assert set(body["sampling_params"]) <= {"max_new_tokens", "temperature", "top_p", "stop_token_ids"}
+        assert set(body["sampling_params"]) <= {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"}
         self.requests.append(body)
         if self.policy is not None:
             step = self.policy(body["input_ids"])
@@ -222,7 +227,8 @@ class AckingInbox:
 class LiveProxy:
     """A started ProxyServer with ``num_engines`` scripted engines and an ``AckingInbox``."""
 
-    def __init__(self, *, num_engines: int = 2, **cfg_overrides: Any):
+    def __init__(self, *, num_engines: int = 2, rollout: dict[str, Any] | None = None, **cfg_overrides: Any):
+        self.rollout = build(RolloutSampling, rollout or ROLLOUT)
         self.lt = LoopThread()
         self.ctx = zmq.Context()
         self.inbox = AckingInbox(self.ctx)
@@ -241,7 +247,7 @@ class LiveProxy:
         self.azctx = zmq.asyncio.Context()
         self.sink = ZmqRecordSink(self.azctx, self.records_addr, resend_s=self.cfg.record_resend_s)
         self.sink.start()
-        server = ProxyServer(self.cfg, tokenizer=TOK, secret=SECRET, sink=self.sink)
+        server = ProxyServer(self.cfg, tokenizer=TOK, rollout=self.rollout, secret=SECRET, sink=self.sink)
         await server.start()
         return server
 

@@ -14,30 +14,40 @@ SECRET = b"k" * 32
 @given(st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True))
 def test_minted_tokens_verify_to_their_execution(execution_id):
     token = mint_token(SECRET, execution_id)
-    assert token.startswith(f"gyre.{execution_id}.0.")
-    assert verify_token(SECRET, token) == (execution_id, 0)
+    assert token.startswith(f"gyre.{execution_id}.0.t.")
+    assert verify_token(SECRET, token) == (execution_id, 0, True)
     assert verify_token(b"other secret", token) is None
 
 
 @given(st.integers(min_value=0, max_value=10**10 - 1))
 def test_the_version_floor_is_signed_with_the_execution(min_version):
     token = mint_token(SECRET, "ex-1", min_version=min_version)
-    assert verify_token(SECRET, token) == ("ex-1", min_version)
-    prefix, eid, version, mac = token.split(".")
+    assert verify_token(SECRET, token) == ("ex-1", min_version, True)
+    prefix, eid, version, mode, mac = token.split(".")
     # A harness cannot lower its own floor (or raise it): the MAC covers the version.
-    assert verify_token(SECRET, f"{prefix}.{eid}.{min_version + 1}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{min_version + 1}.{mode}.{mac}") is None
     if min_version:
-        assert verify_token(SECRET, f"{prefix}.{eid}.0.{mac}") is None
+        assert verify_token(SECRET, f"{prefix}.{eid}.0.{mode}.{mac}") is None
+
+
+def test_an_eval_token_says_so_and_cannot_be_turned_into_a_training_one():
+    token = mint_token(SECRET, "ex-1", min_version=3, train=False)
+    assert verify_token(SECRET, token) == ("ex-1", 3, False)
+    prefix, eid, version, mode, mac = token.split(".")
+    assert mode == "e"
+    # The MAC covers the mode: an eval run cannot claim the training sampling, nor the reverse.
+    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.t.{mac}") is None
 
 
 def test_tampered_tokens_are_refused():
     token = mint_token(SECRET, "ex-1")
-    prefix, eid, version, mac = token.split(".")
-    assert verify_token(SECRET, f"{prefix}.ex-2.{version}.{mac}") is None
-    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}") is None
-    assert verify_token(SECRET, f"other.{eid}.{version}.{mac}") is None
-    assert verify_token(SECRET, f"{prefix}.{eid}.00.{mac}") is None
-    assert verify_token(SECRET, f"{prefix}.{eid}.{mac}") is None
+    prefix, eid, version, mode, mac = token.split(".")
+    assert verify_token(SECRET, f"{prefix}.ex-2.{version}.{mode}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.{mode}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}") is None
+    assert verify_token(SECRET, f"other.{eid}.{version}.{mode}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.00.{mode}.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.x.{mac}") is None
+    assert verify_token(SECRET, f"{prefix}.{eid}.{version}.{mac}") is None
     assert verify_token(SECRET, token + ".x") is None
     assert verify_token(SECRET, token.upper()) is None
 

@@ -16,7 +16,7 @@ import zmq
 
 from controller import wire
 from harness_proxy.auth import mint_token, write_secret
-from tests.harness_proxy import PROXY_CONFIG, SECRET, AckingInbox, LoopThread, ScriptedEngine
+from tests.harness_proxy import PROXY_CONFIG, ROLLOUT, SECRET, AckingInbox, LoopThread, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_proxy_process_end_to_end(tmp_path, sockets):
     lt = LoopThread()
     engine = ScriptedEngine(cell_id=4, weight_version=7)
     lt.run(engine.start())
-    proc = _spawn(tmp_path, {"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}},
+    proc = _spawn(tmp_path, {"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}, "rollout": ROLLOUT},
                   controller, processor)
     try:
         ident, frame = _recv(router, "Hello")
@@ -111,7 +111,7 @@ def test_proxy_process_end_to_end(tmp_path, sockets):
 def test_bad_config_exits_with_a_clear_error(tmp_path, sockets):
     _, _, controller, processor = sockets
     proc = _spawn(tmp_path, {"proxy": {**PROXY_CONFIG, "port": "eighty"}, "model": {"tokenizer": "qwen_compact",
-                                                                                  "compact_ranks": 4096}},
+                                                                                  "compact_ranks": 4096}, "rollout": ROLLOUT},
                   controller, processor)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and b"proxy.port: want int" in out
@@ -142,7 +142,7 @@ def test_unix_socket_serves_the_same_app(tmp_path, sockets):
     stale.bind(str(sock_path))  # what a killed proxy leaves behind
     stale.close()
     cfg = tmp_path / "proxy.json"
-    cfg.write_text(json.dumps({"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}}))
+    cfg.write_text(json.dumps({"proxy": PROXY_CONFIG, "model": {"tokenizer": "qwen_compact", "compact_ranks": 4096}, "rollout": ROLLOUT}))
     argv = [sys.executable, "-m", "harness_proxy.main", "--config-json", str(cfg), "--controller", controller,
             "--processor", processor, "--secret-file", str(secret_file(tmp_path)), "--ready-file", str(tmp_path / "proxy.ready")]
     proc = subprocess.Popen([*argv, "--unix-socket", str(sock_path)], cwd=ROOT,

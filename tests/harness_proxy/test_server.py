@@ -336,17 +336,23 @@ def test_prompt_over_the_context_limit_is_refused_not_truncated(proxy):
     assert proxy.engines[0].requests == []
 
 
-def test_max_tokens_is_capped_and_sampling_is_passed_through(proxy):
-    client = proxy.client()
+def test_max_tokens_is_capped_and_eval_sampling_is_passed_through(proxy):
+    """An eval execution samples as its harness asks; a training one as the run's algo.rollout."""
+    client = proxy.client(token=mint_token(SECRET, "ex-eval", train=False))
     msgs = [{"role": "user", "content": "x"}]
     client.chat.completions.create(model="m", messages=msgs, max_tokens=1000, temperature=0.5, top_p=0.9)
     client.chat.completions.create(model="m", messages=msgs, max_completion_tokens=5)
     client.chat.completions.create(model="m", messages=msgs)
-    sp = [r["sampling_params"] for r in proxy.engines[0].requests]
-    assert sp[0] == {"max_new_tokens": 64, "temperature": 0.5, "top_p": 0.9,
-                     "stop_token_ids": [TOK.im_end, TOK.endoftext]}
-    assert sp[1]["max_new_tokens"] == 5 and sp[1]["temperature"] == 1.0 and sp[1]["top_p"] == 1.0
-    assert sp[2]["max_new_tokens"] == 64
+    proxy.client("ex-train").chat.completions.create(model="m", messages=msgs, temperature=0.5, top_p=0.9)
+    sp = [r["sampling_params"] for e in proxy.engines for r in e.requests]
+    assert {"max_new_tokens": 64, "temperature": 0.5, "top_p": 0.9, "top_k": -1,
+            "stop_token_ids": [TOK.im_end, TOK.endoftext]} in sp
+    assert sorted(p["max_new_tokens"] for p in sp) == [5, 64, 64, 64]
+    assert sum(p["temperature"] == 0.5 for p in sp) == 1  # the training call's 0.5 was not used
+    got = sorted((r.execution_id, r.call_index, r.temperature, r.top_p, r.harness_temperature, r.harness_top_p)
+                 for r in records(proxy.recv_all()))
+    assert got == [("ex-eval", 0, 0.5, 0.9, 0.5, 0.9), ("ex-eval", 1, 1.0, 1.0, 1.0, 1.0),
+                   ("ex-eval", 2, 1.0, 1.0, 1.0, 1.0), ("ex-train", 0, 1.0, 1.0, 0.5, 0.9)]
 
 
 # ---------------------------------------------------------------- routing and retries

@@ -59,6 +59,8 @@ class ModelConfig:
     def check(self) -> None:
         if not 256 <= self.compact_ranks <= 151643:
             raise ValueError(f"compact_ranks: want 256..151643, got {self.compact_ranks}")
+        if self.path == "???":  # Hydra's mark for a value the user must give (conf/model/qwen3_hf.yaml)
+            raise ValueError("model.path: required, a local Hugging Face checkpoint folder (model.path=/shared/models/...)")
         if self.tokenizer == "hf" and not self.path:
             raise ValueError("tokenizer: hf reads the checkpoint's tokenizer.json; set model.path")
         if self.path:

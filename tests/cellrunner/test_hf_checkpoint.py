@@ -108,6 +108,8 @@ def test_version_zero_is_the_checkpoint_and_the_engine_scores_as_transformers(fo
 
 def test_what_the_config_refuses_is_one_clear_line(folders, tmp_path):
     raw = yaml.safe_load((ROOT / "conf/model/qwen3_hf.yaml").read_text())
+    with pytest.raises(ConfigError, match="model.path: required"):
+        build(ModelConfig, raw)  # the YAML's ??? as it comes through unset
     with pytest.raises(ConfigError, match="tokenizer: hf reads the checkpoint's tokenizer.json; set model.path"):
         build(ModelConfig, {**raw, "path": ""})
     with pytest.raises(ConfigError, match=r"want 0 for \['hidden_size'\]"):

@@ -124,20 +124,46 @@ def test_the_job_gets_the_same_overrides_minus_the_launcher():
     assert got == ["cluster=slurm", "run.steps=3", "run.runs_dir=/abs/runs"]
 
 
-@pytest.mark.parametrize("script,nodes", [("gyre_local.sbatch", "8"), ("gyre_2p4t.sbatch", "192"),
-                                          ("gyre_122b.sbatch", "24-32")])
-def test_sbatch_scripts_pass_overrides_through(script, nodes, tmp_path):
-    text = (ROOT / "slurm" / script).read_text()
-    assert f"#SBATCH --nodes={nodes}\n" in text
+def run_script(script: str, *args: str, cwd: Path, in_job: bool = True) -> subprocess.CompletedProcess:
+    """The script as the job's first node runs it (``GYRE_PYTHON=echo`` prints the gyre command),
+    or, ``in_job=False``, as a user runs it on the login node."""
     env = {**os.environ, "GYRE_PYTHON": "echo", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "1",
            "SLURM_JOB_NODELIST": "n[1-8]", "SLURM_JOB_NUM_NODES": "8"}
-    out = subprocess.run(["bash", str(ROOT / "slurm" / script), "scheduler=async", "run.steps=7"],
-                         env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    if not in_job:
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    return subprocess.run(["bash", str(ROOT / "slurm" / script), *args], env=env, capture_output=True, text=True,
+                          timeout=30, cwd=cwd)
+
+
+@pytest.mark.parametrize("script,nodes,stack", [
+    ("gyre_local.sbatch", "8", []),
+    ("gyre_2p4t.sbatch", "192", ["model=qwen3_hf", "engine=sglang", "trainer=megatron", "transfer=mooncake"]),
+    ("gyre_122b.sbatch", "24-32", ["model=qwen3_hf", "engine=sglang", "trainer=megatron", "transfer=mooncake"]),
+])
+def test_sbatch_scripts_pass_overrides_through(script, nodes, stack, tmp_path):
+    text = (ROOT / "slurm" / script).read_text()
+    assert f"#SBATCH --nodes={nodes}\n" in text
+    model = ["model.path=/shared/models/m"] if stack else []
+    out = run_script(script, *model, "scheduler=async", "run.steps=7", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     command = out.stdout.strip().splitlines()[-1].split()
     assert command[:2] == ["-m", "controller.main"] and "cluster=slurm" in command
     assert "cluster.num_cells=4" in command
-    assert command[-2:] == ["scheduler=async", "run.steps=7"]
+    assert command[-3 if stack else -2:] == [*model, "scheduler=async", "run.steps=7"]
+    assert all(s in command for s in stack) and ("engine=sglang" in command) == bool(stack)
+
+
+@pytest.mark.parametrize("script", ["gyre_2p4t.sbatch", "gyre_122b.sbatch"])
+def test_cluster_scripts_want_a_checkpoint_and_say_so_in_one_line(script, tmp_path):
+    out = run_script(script, "run.steps=7", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1 and "model.path=" in out.stderr and "is required" in out.stderr
+    # A preset keeps its parallel layout: the script does not add model=qwen3_hf over it.
+    command = run_script(script, "model=qwen3_8b", "model.path=/m", cwd=tmp_path).stdout.split()
+    assert "model=qwen3_8b" in command and "model=qwen3_hf" not in command
+    # Run on the login node, the script checks the folder before it queues a job.
+    out = run_script(script, f"model.path={tmp_path}/missing", cwd=tmp_path, in_job=False)
+    assert out.returncode == 2 and "has no config.json" in out.stderr
 
 
 def test_local_sbatch_header_is_accepted_by_slurm(slurm_env):

@@ -1,14 +1,15 @@
 """The GPU check: the real stack on one GPU in <= 8 minutes; the last stdout line is one JSON object.
 
-A Qwen3-architecture model of Qwen3-0.6B's shape (random init, ~0.6 B parameters, bf16) goes
-through what a Gyre cell does on a cluster, with the production classes:
+A Qwen3-0.6B-shaped checkpoint folder (random init, ~0.6 B parameters, bf16, Qwen3's
+tokenizer.json; written on the spot by ``cellrunner.make_checkpoint``, read as ``model.path``)
+goes through what a Gyre cell does on a cluster, with the production classes:
 
-1. SGLang serving (``cellrunner.engine_sglang.SGLangEngine``): start, load version 0 from the
-   Megatron trainer, concurrent ``/generate`` calls with log-probs (tokens/s).
+1. SGLang serving (``cellrunner.engine_sglang.SGLangEngine``): start on the folder, load version 0
+   from the Megatron trainer (which read the same folder), concurrent ``/generate`` calls with log-probs (tokens/s).
 2. A role switch serve -> train, timed per phase (drain, release, trainer start).
 3. One Megatron GSPO step (``cellrunner.megatron_trainer.MegatronTrainer``, bf16, DDP + Megatron
    optimizer) on the served samples; the served log-probs vs Megatron's recomputed ones on the
-   same weights (the train/inference mismatch).
+   same weights (the train/inference mismatch; goal: mean |delta| <= 0.02).
 4. A role switch train -> serve with the new version, timed; the served weight_version checked.
 5. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
 6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes:
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B); weights are a seeded random init.
 VOCAB = 151936  # Qwen3's padded embedding rows
+PARITY_GOAL = 0.02  # mean |served - Megatron| log-prob in bf16 on the same tokens (issue 23)
 CHUNK_BYTES = 64 << 20
 
 
@@ -150,7 +152,9 @@ def logprob_mismatch(trainer: Any, samples: list[dict], k: int) -> dict[str, flo
         lp = trainer.token_logprobs(trainer.model(ids, pos, None), batch.targets.to(trainer.device)).float().cpu()
     mask = batch.target_mask.bool()
     diff = (lp[mask] - batch.behaviour_logprobs[mask]).abs()
-    return {"mean_abs": float(diff.mean()), "max_abs": float(diff.max()), "tokens": int(mask.sum())}
+    mean = float(diff.mean())
+    return {"mean_abs": mean, "max_abs": float(diff.max()), "tokens": int(mask.sum()),
+            "goal_mean_abs": PARITY_GOAL, "meets_goal": mean <= PARITY_GOAL}
 
 
 def mooncake_pull(nbytes: int, protocols: list[str], report: Report) -> None:

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "config": {
             "shape": shape.__dict__, "executions": num_executions, "rewards": rewards, "repeats": repeats,
             "k": args.k, "nocap": args.nocap, "max_tokens_per_microstep": algo.max_tokens_per_microstep,
-            "model": model_cfg.__dict__, "vocab_size": VOCAB_SIZE,
+            "model": dataclasses.asdict(model_cfg), "vocab_size": VOCAB_SIZE,
         },
         **run_info(),
     }

@@ -35,6 +35,7 @@ noise in ``times_s``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         },
         "config": {
             "shape": shape.__dict__, "executions": num_executions, "repeats": repeats, "k": args.k,
-            "max_tokens_per_microstep": max_tokens, "model": model_cfg.__dict__, "vocab_size": VOCAB_SIZE,
+            "max_tokens_per_microstep": max_tokens, "model": dataclasses.asdict(model_cfg), "vocab_size": VOCAB_SIZE,
         },
         **run_info(),
     }

@@ -318,23 +318,37 @@ class MegatronTrainer:
         elif self.cfg.offload_when_serving and torch.cuda.is_available():
             self._offload()
 
-    def weights(self) -> FlatWeights:
-        """The full model in the HF layout, float32, on every rank of the cell."""
+    def weights(self, *, everywhere: bool = True) -> FlatWeights | None:
+        """The full model in the HF layout, float32. ``everywhere``: on every rank of the cell (an
+        all-gather over TP); else only on the cell's rank 0, the one that publishes it (serving
+        engines and satellites read it there): every other rank sends its TP shard in the params'
+        dtype and returns None, so no rank but one ever holds a full float32 copy of a large model."""
         assert self.model is not None, "weights() before start()"
         if self.cfg.expert_model_parallel_size > 1:
             raise NotImplementedError("weights(): gathering experts over expert-parallel ranks is not built; use EP=1")
+        if not everywhere and self.dp_rank != 0:
+            return None  # a data-parallel replica of what DP rank 0 exports
         # .to(device): a core that offloaded while serving gathers its host copies on the GPU
         local = self._local_state(lambda p: p.detach().to(self.device))
+        hf = self._to_hf(local) if everywhere else self._to_hf_on_tp0(local)
+        if hf is None:
+            return None
         multi_stage = parallel_state.get_pipeline_model_parallel_world_size() > 1
         # The full float32 model lives on the host, except when stages must sum it (NCCL).
         flat = torch.zeros(self.specs[-1].offset + int(np.prod(self.specs[-1].shape)), dtype=torch.float32,
                            device=self.device if multi_stage else "cpu")
-        for name, t in self._to_hf(local).items():
+        for name, t in hf.items():
             spec = self._spec_by_name[name]
             flat[spec.offset : spec.offset + t.numel()] = t.reshape(-1).float()
         if multi_stage:
             # Stages own disjoint tensors, so a sum over the stage group assembles them exactly.
-            dist.all_reduce(flat, group=parallel_state.get_pipeline_model_parallel_group())
+            group = parallel_state.get_pipeline_model_parallel_group()
+            if everywhere:
+                dist.all_reduce(flat, group=group)
+            else:
+                dist.reduce(flat, dst=parallel_state.get_pipeline_model_parallel_first_rank(), group=group)
+                if not parallel_state.is_pipeline_first_stage():
+                    return None
         return FlatWeights(self.version, self.specs, flat.cpu().numpy())
 
     def local_weights(self) -> FlatWeights:
@@ -400,8 +414,9 @@ class MegatronTrainer:
         self.num_microsteps = 0
         return flat
 
-    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
-        """Core only: combine gradients, mean over executions, clip, Adam step -> next version."""
+    def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights | None, float]:
+        """Core only: combine gradients, mean over executions, clip, Adam step -> next version
+        (its full weights on the cell's rank 0, None on the other ranks)."""
         assert self.is_core and self.model is not None and self.optimizer is not None
         buffers = self._grad_buffers()
         total = sum(b.numel() for b in buffers)
@@ -423,7 +438,8 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         self.num_microsteps = 0
         self.version += 1
-        return self.weights(), float(norm if norm is not None else 0.0)
+        # Only the cell's rank 0 publishes the new version: the others return None, not a full copy.
+        return self.weights(everywhere=False), float(norm if norm is not None else 0.0)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -566,6 +582,25 @@ class MegatronTrainer:
                     shards[r][name] = parts[r]
         else:
             shards = [local]
+        return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
+                              ep_rank=self.ep_rank, layers=self._global_layers)
+
+    def _to_hf_on_tp0(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """``_to_hf`` assembled on TP rank 0 only (a gather, not an all-gather); None elsewhere."""
+        if self.tp_size == 1:
+            return self._to_hf(local)
+        group = parallel_state.get_tensor_model_parallel_group()
+        dst = parallel_state.get_tensor_model_parallel_src_rank()  # the global rank of this group's TP rank 0
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+        for name in sorted(local):  # the same order on every TP rank
+            t = local[name].contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(t, parts, dst=dst, group=group)
+            if parts is not None:
+                for r in range(self.tp_size):
+                    shards[r][name] = parts[r]
+        if self.tp_rank != 0:
+            return None
         return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
                               ep_rank=self.ep_rank, layers=self._global_layers)
 

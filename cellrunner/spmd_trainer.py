@@ -148,7 +148,7 @@ def run_command(trainer: Any, channel: CommandChannel, links: RankLinks, cmd: Co
     if cmd.op == "stop":
         return trainer.stop()
     if cmd.op == "weights":
-        return trainer.weights()
+        return trainer.weights(everywhere=False)  # the leader publishes; no full copy on followers
     if cmd.op == "microstep":
         return trainer.microstep(wire.decode(a["shard"], expect=(wire.Shard,)))
     if cmd.op == "send_grads":

@@ -346,6 +346,7 @@ def test_two_ranks_agree_and_train(tp):
         assert r["losses"][-1] < r["losses"][0] - 0.05 * abs(r["losses"][0]), r
     assert r0["losses"] == pytest.approx(r1["losses"], rel=1e-6)  # the reported loss is the cell's, on each rank
     assert r0["final_weights_crc"] == r1["final_weights_crc"]  # replicas / TP shards gather to one model
+    assert (r0["rank"], r0["leader_export"], r1["leader_export"]) == (0, True, None)  # no full copy on rank 1
     assert r0["num_tokens"] == r1["num_tokens"] == r0["want_tokens"]
 
 
@@ -362,6 +363,9 @@ def worker(tp: int) -> None:
     emb.start(None)
     init = meg.weights()
     out: dict = {"weights_equal_hf_init": bool(np.array_equal(init.data, emb.weights().data))}
+    lead = meg.weights(everywhere=False)  # only the cell's rank 0 assembles the full model
+    out["rank"] = torch.distributed.get_rank()
+    out["leader_export"] = None if lead is None else bool(np.array_equal(lead.data, init.data))
     shard = make_shard(11, num_seqs=6, on_policy_from=emb)
     batch = pack(list(shard.sequences))
     got, want, real = both_logprobs(meg, emb, batch)
@@ -377,9 +381,10 @@ def worker(tp: int) -> None:
     losses = []
     for _ in range(4):
         losses.append(meg.microstep(shard).loss)
-        weights, _ = meg.apply([], num_executions=shard.num_executions)
+        exported, _ = meg.apply([], num_executions=shard.num_executions)
+        assert (exported is None) == (out["rank"] != 0)
     out["losses"] = losses
-    out["final_weights_crc"] = zlib.crc32(weights.data.tobytes())
+    out["final_weights_crc"] = zlib.crc32(meg.weights().data.tobytes())
     print(json.dumps(out), flush=True)
 
 

@@ -45,6 +45,7 @@ weight version, not per pull), loading the pulled weights into a model (the same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "config": {"quick": args.quick, "repeats": repeats, "chunk_bytes": chunks,
                    "default_chunk_bytes": DEFAULT_CHUNK_BYTES, "zmq_chunk_bytes": zmq_chunks,
                    "num_params": core.ready["num_params"], "num_tensors": core.ready["num_tensors"],
-                   "model": model_config(args.quick).__dict__, "transport": "tcp over loopback, P2PHANDSHAKE",
+                   "model": dataclasses.asdict(model_config(args.quick)), "transport": "tcp over loopback, P2PHANDSHAKE",
                    "mc_env": {k: v for k, v in os.environ.items() if k.startswith("MC_")}},
         **run_info(),
     }

@@ -127,3 +127,26 @@ def test_what_the_config_refuses_is_one_clear_line(folders, tmp_path):
     with pytest.raises(CheckpointError, match="has no tokenizer.json"):
         check_folder(str(bare), want_tokenizer=True)
     assert check_folder(str(bare), want_tokenizer=False)["vocab_size"] == QWEN3_VOCAB_ROWS
+
+
+@pytest.mark.parametrize("preset", ["qwen3_0_6b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
+def test_presets_give_a_parallel_layout_and_a_path_only(preset, folders):
+    """A preset composes over qwen3_hf: the sizes stay the folder's, the trainer and the engine
+    take its per-cell layout unless the command line says otherwise."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from controller.config import build_config
+
+    raw = yaml.safe_load((ROOT / "conf/model" / f"{preset}.yaml").read_text())
+    assert set(raw) == {"defaults", "name", "path", "parallel"}
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=[f"model={preset}", f"model.path={folders['dense']}", "trainer=megatron",
+                                           "engine=sglang", "cluster.ranks_per_node=8"])
+    built = build_config(OmegaConf.to_container(cfg, resolve=True))
+    par = built.model.parallel
+    assert built.model.tokenizer == "hf" and built.model.hidden_size == 0
+    assert (built.trainer.tensor_model_parallel_size, built.trainer.pipeline_model_parallel_size,
+            built.trainer.expert_model_parallel_size) == (par.trainer_tp, par.trainer_pp, par.trainer_ep)
+    assert (built.engine.tp_size, built.engine.ep_size, built.engine.nnodes) == (par.engine_tp, par.engine_ep,
+                                                                                 par.engine_nnodes)

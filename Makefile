@@ -90,7 +90,7 @@ run: venv claude-code
 	$(BIN)/gyre $(ARGS)
 
 test: system-packages venv claude-code mini-swe-agent qwen-code
-	$(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q --durations=25 $(PYTEST_ARGS)
 
 bench: venv litellm
 	$(BIN)/python -m bench.learnability --vocab-bench

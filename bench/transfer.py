@@ -24,7 +24,10 @@ from other jobs on the shared cores hits them alike:
   in a cell);
 - ``mooncake_sync@<default chunk>``: the same chunks through Mooncake's own
   ``batch_transfer_sync_read``, which spins on the status while it waits (kept to show why the
-  puller polls instead).
+  puller polls instead);
+- ``zmq_bf16``, ``mooncake_bf16``: a serving cell's pull of the version's bf16 copy (what an
+  engine serving in bf16 loads; the core makes it once per version), half the bytes. ``update`` in
+  the JSON is what one new version costs a serving cell in bytes and seconds, float32 against bf16.
 
 Every method's bytes are compared with the published ones once, outside the timing. One warm-up
 pull per method is not timed (TCP connections, Mooncake's handshake, first-touch page faults).
@@ -35,7 +38,8 @@ so the ratio is not flattered by a weak baseline), ``fraction_of_zmq`` (their ra
 method's median and repeats.
 
 The full model is Qwen3-architecture with the full Qwen vocabulary (151,669 rows), hidden 512,
-6 layers: 101 M float32 parameters, 405 MB. ``--quick`` pulls the tiny default model (1.6 MB),
+6 layers: 101 M float32 parameters, 405 MB; ``--shape 0.6b`` is Qwen3-0.6B's sizes (596 M, 2.4 GB).
+``--quick`` pulls the tiny default model (1.6 MB),
 twice per method; it is the smoke test, its rates mean nothing.
 
 Left out: RDMA (none here), the core's copy into its registered slot at publish time (once per
@@ -63,14 +67,15 @@ import zmq
 
 from bench.fixtures import CONF, median, run_info
 from cellrunner.config import ModelConfig
-from cellrunner.model import FlatWeights, build_model, flatten_params
+from cellrunner.make_checkpoint import SHAPES
+from cellrunner.model import FlatWeights, build_model, flatten_params, to_bf16
 from cellrunner.transfer import TransferError, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import (
     DEFAULT_CHUNK_BYTES, MooncakeWeightPublisher, MooncakeWeightPuller, RegisteredBuffer,
 )
 from controller import curve
 from controller.typed_config import build
-from controller.wire import ErrorReply, PullWeights, WeightsHeader, WeightsOffer, decode, encode
+from controller.wire import WEIGHT_ITEMSIZE, ErrorReply, PullWeights, WeightsHeader, WeightsOffer, decode, encode
 from harness_proxy.tokenizer import get_tokenizer
 
 HOST = "127.0.0.1"
@@ -81,11 +86,16 @@ FULL_MODEL = {
     "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
 }
 TIMEOUT_S = 120.0
+SHAPE_0_6B = {"name": "bench-transfer-qwen3-0.6b", "tokenizer": "qwen",
+              **{k: v for k, v in SHAPES["0.6b"].items() if k != "tie_word_embeddings"}}
+"""``--shape 0.6b``: Qwen3-0.6B's sizes (596 M parameters with the 151,669-row vocabulary, tied)."""
 
 
-def model_config(quick: bool) -> ModelConfig:
+def model_config(quick: bool, shape: str = "bench") -> ModelConfig:
     tiny = yaml.safe_load((CONF / "model" / "tiny.yaml").read_text())
-    return build(ModelConfig, tiny if quick else {**tiny, **FULL_MODEL})
+    if quick:
+        return build(ModelConfig, tiny)
+    return build(ModelConfig, {**tiny, **(SHAPE_0_6B if shape == "0.6b" else FULL_MODEL)})
 
 
 def model_weights(cfg: ModelConfig) -> FlatWeights:
@@ -125,12 +135,13 @@ def stream_server(sock: zmq.Socket, data: np.ndarray, stop: threading.Event) -> 
     sock.close(0)
 
 
-def serve_core(quick: bool, keys_dir: str) -> None:
+def serve_core(quick: bool, keys_dir: str, shape: str) -> None:
     """Publish one weight version on every path, print where, serve until stdin closes."""
-    weights = model_weights(model_config(quick))
+    weights = model_weights(model_config(quick, shape))
     ctx = zmq.Context.instance()
     zmq_server = WeightServer(ctx, f"tcp://{HOST}:0")
-    mooncake = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST)
+    # serve_bf16: the core's publisher when the run's engines serve in bf16 (SGLang): both copies
+    mooncake = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST, serve_bf16=True)
     curve.install(keys_dir, "cell-0", core="cell-0")  # only the next server is CURVE's
     curve_server = WeightServer(ctx, f"tcp://{HOST}:0")
     curve.install(None, "")
@@ -156,10 +167,10 @@ def serve_core(quick: bool, keys_dir: str) -> None:
 
 
 class CoreProcess:
-    def __init__(self, quick: bool, log_path: Path, keys_dir: Path):
+    def __init__(self, quick: bool, log_path: Path, keys_dir: Path, shape: str = "bench"):
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.transfer", "--serve-core", "--curve-keys", str(keys_dir)]
+            [sys.executable, "-m", "bench.transfer", "--serve-core", "--curve-keys", str(keys_dir), "--shape", shape]
             + (["--quick"] if quick else []),
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )
@@ -244,6 +255,7 @@ def methods(
     stream = StreamPuller(ctx, ready["zmq_stream"], int(ready["bytes"]))
     table: dict[str, Callable[[], np.ndarray]] = {
         "zmq": lambda: zmq_puller.pull(ready["zmq"], 0, TIMEOUT_S).data,
+        "zmq_bf16": lambda: zmq_puller.pull(ready["zmq"], 0, TIMEOUT_S, "bfloat16").data,
         "zmq_nocopy": lambda: pull_zmq_nocopy(ctx, ready["zmq"]),
         "zmq_curve": with_curve(keys_dir, lambda: zmq_puller.pull(ready["zmq_curve"], 0, TIMEOUT_S).data),
     }
@@ -259,7 +271,10 @@ def methods(
     for chunk in chunks:
         table[f"mooncake@{chunk_name(chunk)}"] = mooncake_at(chunk, spin=False)
     table[f"mooncake_sync@{chunk_name(DEFAULT_CHUNK_BYTES)}"] = mooncake_at(DEFAULT_CHUNK_BYTES, spin=True)
-    return table, [zmq_puller, mooncake, stream]
+    # A serving cell's pull of the bf16 copy, on its own puller (one receive buffer per dtype).
+    bf16 = MooncakeWeightPuller(ctx, host=HOST)
+    table["mooncake_bf16"] = lambda: bf16.pull(ready["mooncake"], 0, TIMEOUT_S, "bfloat16").data
+    return table, [zmq_puller, mooncake, stream, bf16]
 
 
 class SpinOrPollPuller(MooncakeWeightPuller):
@@ -270,7 +285,7 @@ class SpinOrPollPuller(MooncakeWeightPuller):
     def _read(self, offer: WeightsOffer, buffer: RegisteredBuffer, deadline: float) -> None:
         if not self.spin:
             return super()._read(offer, buffer, deadline)
-        nbytes = offer.num_elements * 4
+        nbytes = offer.num_elements * WEIGHT_ITEMSIZE[offer.dtype]
         starts = range(0, nbytes, self.chunk_bytes)
         rc = self._engine.batch_transfer_sync_read(
             offer.session_id, [buffer.addr + s for s in starts], [offer.remote_addr + s for s in starts],
@@ -284,10 +299,11 @@ def chunk_name(chunk: int) -> str:
     return f"{chunk >> 20}MiB" if chunk >= 1 << 20 else f"{chunk >> 10}KiB"
 
 
-def measure(table: dict[str, Callable[[], np.ndarray]], expected: bytes, repeats: int) -> dict[str, list[float]]:
+def measure(table: dict[str, Callable[[], np.ndarray]], expected: bytes, expected_bf16: bytes,
+            repeats: int) -> dict[str, list[float]]:
     names = list(table)
     for name in names:  # warm-up and the byte check, untimed
-        if table[name]().tobytes() != expected:
+        if table[name]().tobytes() != (expected_bf16 if "bf16" in name else expected):
             raise SystemExit(f"bench.transfer: {name} pulled bytes that differ from the published weights")
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
@@ -309,6 +325,8 @@ def print_table(nbytes: int, med: dict[str, float], zmq_name: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model, 2 repeats (smoke test)")
+    ap.add_argument("--shape", choices=["bench", "0.6b"], default="bench",
+                    help="bench: hidden 512, 6 layers (405 MB); 0.6b: Qwen3-0.6B's sizes (2.4 GB float32)")
     ap.add_argument("--repeats", type=int, default=None, help="default 7 (2 with --quick)")
     ap.add_argument("--chunk-mib", default="4,64", help="Mooncake read sizes to try, MiB, comma-separated")
     ap.add_argument("--zmq-chunk-mib", default="1,8", help="zmq_stream message sizes to try, MiB, comma-separated")
@@ -317,20 +335,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = ap.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake's INFO lines would bury the table
     if args.serve_core:
-        serve_core(args.quick, args.curve_keys)
+        serve_core(args.quick, args.curve_keys, args.shape)
         return {}
     repeats = args.repeats or (2 if args.quick else 7)
     chunks = sorted({int(float(c) * 2**20) for c in args.chunk_mib.split(",")} | {DEFAULT_CHUNK_BYTES})
     zmq_chunks = sorted({int(float(c) * 2**20) for c in args.zmq_chunk_mib.split(",")})
-    expected = model_weights(model_config(args.quick)).data.tobytes()  # same seed: the core's bytes
+    published = model_weights(model_config(args.quick, args.shape))  # same seed: the core's bytes
+    expected, expected_bf16 = published.data.tobytes(), to_bf16(published).data.tobytes()
+    del published
     ctx = zmq.Context.instance()
     with tempfile.TemporaryDirectory() as tmp:
         keys_dir = Path(tmp) / "keys"
         curve.create_keys(keys_dir, ["cell-0", "cell-1"])
-        core = CoreProcess(args.quick, Path(tmp) / "core.log", keys_dir)
+        core = CoreProcess(args.quick, Path(tmp) / "core.log", keys_dir, args.shape)
         try:
             table, pullers = methods(ctx, core.ready, chunks, zmq_chunks, keys_dir)
-            times = measure(table, expected, repeats)
+            times = measure(table, expected, expected_bf16, repeats)
             for p in pullers:
                 p.close()
         finally:
@@ -341,7 +361,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     best_zmq = max((n for n in rate if n.startswith("zmq") and n != "zmq_curve"), key=rate.__getitem__)
     print_table(nbytes, med, best_zmq)
     default = f"mooncake@{chunk_name(DEFAULT_CHUNK_BYTES)}"
+    # What one new version costs a serving cell: the float32 a trainer starts from, or the bf16 copy.
+    update = {"float32": {"bytes": nbytes, "zmq_s": med["zmq"], "mooncake_s": med[default]},
+              "bfloat16": {"bytes": len(expected_bf16), "zmq_s": med["zmq_bf16"], "mooncake_s": med["mooncake_bf16"]}}
     result: dict[str, object] = {
+        "update": update,
+        "bf16_time_fraction": med["mooncake_bf16"] / med[default],
         "gb_per_s": rate[default],
         "fraction_of_zmq": rate[default] / rate[best_zmq],
         "zmq_gb_per_s": rate[best_zmq],
@@ -353,10 +378,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "gib_per_s": rate,
         "median_s": med,
         "times_s": times,
-        "config": {"quick": args.quick, "repeats": repeats, "chunk_bytes": chunks,
+        "config": {"quick": args.quick, "shape": args.shape, "repeats": repeats, "chunk_bytes": chunks,
                    "default_chunk_bytes": DEFAULT_CHUNK_BYTES, "zmq_chunk_bytes": zmq_chunks,
                    "num_params": core.ready["num_params"], "num_tensors": core.ready["num_tensors"],
-                   "model": dataclasses.asdict(model_config(args.quick)), "transport": "tcp over loopback, P2PHANDSHAKE",
+                   "model": dataclasses.asdict(model_config(args.quick, args.shape)), "transport": "tcp over loopback, P2PHANDSHAKE",
                    "mc_env": {k: v for k, v in os.environ.items() if k.startswith("MC_")}},
         **run_info(),
     }

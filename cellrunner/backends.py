@@ -20,6 +20,7 @@ from cellrunner.spmd_trainer import RankLinks
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
+from controller.wire import WeightsDtype
 from trajectory.config import AlgoConfig
 
 
@@ -102,11 +103,21 @@ def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks
     return None
 
 
-def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context) -> WeightPublisher:
+def serving_dtype(cfg: CellRunnerConfig) -> WeightsDtype:
+    """What a serving engine pulls new versions in: bf16 for SGLang serving in bf16 (half the bytes
+    of the float32 a trainer starts from), float32 for the embedded engine, which computes in it."""
+    engine = cfg.engine
+    return "bfloat16" if isinstance(engine, SGLangConfig) and engine.dtype == "bfloat16" else "float32"
+
+
+def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context, *, serving: bool = False) -> WeightPublisher:
+    """``serving``: the core's publisher of whole versions, which serving engines pull too (a
+    Mooncake publisher then also keeps the bf16 copy); not a rank's own-shard publisher."""
     if cfg.transfer == "mooncake":
         m = cfg.mooncake
         return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol=m.protocol,
-                                       device_name=m.device_name, memory=m.memory)
+                                       device_name=m.device_name, memory=m.memory,
+                                       serve_bf16=serving and serving_dtype(cfg) == "bfloat16")
     return WeightServer(ctx, f"tcp://{cfg.host}:0")
 
 

@@ -32,7 +32,7 @@ import zmq
 
 from cellrunner.backends import (
     CellRunnerConfig, check_ranks, make_engine, make_rank_links, make_trainer, make_weight_publisher,
-    make_weight_puller,
+    make_weight_puller, serving_dtype,
 )
 from cellrunner.errors import BackendUnavailable
 from cellrunner.grads import GradExchange
@@ -43,6 +43,7 @@ from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
 from controller import curve, engine_key, wire
+from controller.wire import WeightsDtype
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
@@ -95,7 +96,7 @@ class CellRunner:
                 log.info("core: resumed from %s (version %d)", ckpt.path, ckpt.version)
             else:
                 self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
-            self.weight_server = make_weight_publisher(self.cfg, self.ctx)
+            self.weight_server = make_weight_publisher(self.cfg, self.ctx, serving=True)
             self.weight_server.publish(self.trainer.weights())
             self.weight_server.start()
             self.core_weights_addr = self.weight_server.addr
@@ -188,7 +189,8 @@ class CellRunner:
             self.trainer.stop()
             phases["stop_trainer"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            weights = self.trainer.weights() if self.is_core else self.fetch_weights(msg.weight_version)
+            weights = self.trainer.weights() if self.is_core else self.fetch_weights(msg.weight_version,
+                                                                                      serving_dtype(self.cfg))
             phases["pull"] = time.perf_counter() - t1
             t2 = time.perf_counter()
             self.engine.resume(weights)
@@ -204,7 +206,8 @@ class CellRunner:
         self.core_weights_addr = msg.core_weights_addr or self.core_weights_addr
         t0 = time.perf_counter()
         if self.phase == "serving":
-            weights = self.trainer.weights() if self.is_core else self.fetch_weights(msg.weight_version)
+            weights = (self.trainer.weights() if self.is_core
+                       else self.fetch_weights(msg.weight_version, serving_dtype(self.cfg)))
             self.engine.update_weights(weights)
         elif self.phase == "training" and not self.is_core:
             if self.trainer.num_microsteps:
@@ -277,9 +280,10 @@ class CellRunner:
         self.trainer.start(weights)
         return pulled
 
-    def fetch_weights(self, version: int) -> FlatWeights:
+    def fetch_weights(self, version: int, dtype: WeightsDtype = "float32") -> FlatWeights:
+        """Version >= ``version`` from the core: float32 for a trainer, the engine's dtype for serving."""
         assert self.weight_puller is not None, "only satellites pull weights"
-        return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s)
+        return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s, dtype)
 
     def current_version(self) -> int:
         if self.phase in ("serving", "draining"):

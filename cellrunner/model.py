@@ -79,19 +79,38 @@ class FlatWeights:
     version: int
     specs: tuple[TensorSpec, ...]
     data: np.ndarray
-    """float32, 1-D; a torch CUDA tensor when a Mooncake pull landed in GPU memory."""
+    """float32, 1-D; or bfloat16 as its raw bits in a uint16 array (a serving copy, ``to_bf16``);
+    a torch CUDA tensor when a Mooncake pull landed in GPU memory."""
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return int(self.data.nbytes) if isinstance(self.data, np.ndarray) else self.data.numel() * self.data.element_size()
+
+    @property
+    def dtype(self) -> str:
+        if isinstance(self.data, np.ndarray):
+            return "bfloat16" if self.data.dtype == np.uint16 else "float32"
+        return "bfloat16" if self.data.dtype == torch.bfloat16 else "float32"
 
     @property
     def num_elements(self) -> int:
         return int(self.data.size) if isinstance(self.data, np.ndarray) else int(self.data.numel())
 
     def tensor(self) -> torch.Tensor:
-        """The data as a torch tensor, without a copy (CPU for numpy, as it is for a tensor)."""
-        return torch.from_numpy(self.data) if isinstance(self.data, np.ndarray) else self.data
+        """The data as a torch tensor, without a copy (CPU for numpy, as it is for a tensor);
+        torch.bfloat16 for a serving copy."""
+        if not isinstance(self.data, np.ndarray):
+            return self.data
+        t = torch.from_numpy(self.data)
+        return t.view(torch.bfloat16) if self.data.dtype == np.uint16 else t
+
+
+def to_bf16(weights: FlatWeights) -> FlatWeights:
+    """The serving copy: every value rounded to bfloat16 (what an engine serving in bf16 loads
+    anyway), half the bytes on the wire."""
+    t = weights.tensor().to(torch.bfloat16)
+    data = t.view(torch.int16).numpy().view(np.uint16) if t.device.type == "cpu" else t
+    return FlatWeights(weights.version, weights.specs, data)
 
 
 def param_specs(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
@@ -118,8 +137,9 @@ def weights_digest(weights: FlatWeights) -> str:
     h = hashlib.blake2b(digest_size=16)
     for spec in weights.specs:
         h.update(f"{spec.name}:{spec.shape}:{spec.offset};".encode())
-    data = weights.data if isinstance(weights.data, np.ndarray) else weights.data.detach().cpu().numpy()
-    h.update(np.ascontiguousarray(data, dtype=np.float32).data)
+    h.update(weights.dtype.encode())
+    data = weights.data if isinstance(weights.data, np.ndarray) else weights.data.detach().cpu().view(torch.int16).numpy()
+    h.update(np.ascontiguousarray(data).data)
     return h.hexdigest()
 
 

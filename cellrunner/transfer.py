@@ -1,4 +1,7 @@
-"""Weights and gradients between cells over ZeroMQ: raw float32 buffers behind a wire header.
+"""Weights and gradients between cells over ZeroMQ: raw buffers behind a wire header.
+
+Weights go out as float32 (what a trainer starts from) or, asked for ``bfloat16``, as the serving
+copy an engine that serves in bf16 loads: half the bytes, made once per version on the core.
 
 The core serves its current weights to any cell that asks (satellites joining a step, serving
 cells loading a new version); satellites push gradient sums to the core. Frames are
@@ -17,10 +20,10 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from cellrunner.model import FlatWeights
+from cellrunner.model import FlatWeights, to_bf16
 from controller import curve
 from controller.wire import (
-    ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsHeader, decode, encode,
+    WEIGHT_ITEMSIZE, ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsDtype, WeightsHeader, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ class WeightPublisher(Protocol):
 class WeightPuller(Protocol):
     """A satellite's side: fetches a weight version >= ``min_version`` from a publisher's ``addr``."""
 
-    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+    def pull(self, addr: str, min_version: int, timeout_s: float, dtype: WeightsDtype = "float32") -> FlatWeights:
         """Raise ``TransferError`` on timeout, a refusal or a malformed reply. The returned
         ``data`` may be the puller's reused receive buffer: load it before the next ``pull``."""
 
@@ -60,13 +63,14 @@ class WeightServer:
         self._sock.bind(bind_addr)
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._weights: FlatWeights | None = None
+        self._serving: FlatWeights | None = None  # the bf16 copy of _weights, made on the first ask
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
 
     def publish(self, weights: FlatWeights) -> None:
         with self._lock:
-            self._weights = weights
+            self._weights, self._serving = weights, None
 
     def start(self) -> None:
         self._thread.start()
@@ -95,22 +99,39 @@ class WeightServer:
                 msg = f"have version {have}, asked for >= {req.min_version}"
                 self._sock.send_multipart([ident, encode(ErrorReply(where="pull_weights", message=msg))])
                 continue
-            header = WeightsHeader(weight_version=w.version, num_elements=int(w.data.size), tensors=list(w.specs))
+            if req.dtype == "bfloat16":
+                w = self._serving_copy(w)
+            header = WeightsHeader(weight_version=w.version, num_elements=int(w.data.size), tensors=list(w.specs),
+                                   dtype=w.dtype)
             self._sock.send_multipart([ident, encode(header), memoryview(w.data)], copy=False)
         self._sock.close(0)
+
+
+    def _serving_copy(self, w: FlatWeights) -> FlatWeights:
+        """The bf16 copy of ``w``, made once per version (every serving cell asks for the same)."""
+        with self._lock:
+            cached = self._serving
+        if cached is not None and cached.version == w.version:
+            return cached
+        copy = to_bf16(w)
+        with self._lock:
+            if self._weights is w:
+                self._serving = copy
+        return copy
 
 
 class TransferError(RuntimeError):
     pass
 
 
-def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float,
+                 dtype: WeightsDtype = "float32") -> FlatWeights:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         curve.client(sock, "core")  # weights are served by the core only
         sock.connect(addr)
-        sock.send(encode(PullWeights(min_version=min_version)))
+        sock.send(encode(PullWeights(min_version=min_version, dtype=dtype)))
         if not sock.poll(int(timeout_s * 1000)):
             raise TransferError(f"no weights from {addr} within {timeout_s}s")
         parts = sock.recv_multipart(copy=False)
@@ -122,9 +143,11 @@ def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float
         raise TransferError(f"bad weights header from {addr}: {exc}") from None
     if isinstance(header, ErrorReply):
         raise TransferError(f"weight server {addr}: {header.message}")
-    if len(parts) != 2 or len(parts[1].buffer) != header.num_elements * 4:
-        raise TransferError(f"weights from {addr}: payload does not match header ({header.num_elements} floats)")
-    data = np.frombuffer(parts[1].buffer, dtype="<f4").copy()
+    if header.dtype != dtype:
+        raise TransferError(f"weights from {addr}: {header.dtype}, asked for {dtype}")
+    if len(parts) != 2 or len(parts[1].buffer) != header.num_elements * WEIGHT_ITEMSIZE[dtype]:
+        raise TransferError(f"weights from {addr}: payload does not match header ({header.num_elements} x {dtype})")
+    data = np.frombuffer(parts[1].buffer, dtype="<f4" if dtype == "float32" else "<u2").copy()
     return FlatWeights(header.weight_version, tuple(header.tensors), data)
 
 
@@ -134,8 +157,8 @@ class ZmqWeightPuller:
     def __init__(self, ctx: zmq.Context):
         self._ctx = ctx
 
-    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
-        return pull_weights(self._ctx, addr, min_version, timeout_s)
+    def pull(self, addr: str, min_version: int, timeout_s: float, dtype: WeightsDtype = "float32") -> FlatWeights:
+        return pull_weights(self._ctx, addr, min_version, timeout_s, dtype)
 
     def close(self) -> None:
         pass

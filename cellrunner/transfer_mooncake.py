@@ -38,12 +38,12 @@ import numpy as np
 import zmq
 
 from cellrunner.errors import BackendUnavailable
-from cellrunner.model import FlatWeights
+from cellrunner.model import FlatWeights, to_bf16
 from cellrunner.transfer import TransferError
 from controller import curve
 from controller.wire import (
-    CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec, WeightsOffer, decode,
-    encode,
+    WEIGHT_ITEMSIZE, CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec,
+    WeightsDtype, WeightsOffer, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -119,27 +119,29 @@ def require_cuda() -> None:
                                     "with the [gpu] install)")
 
 
-def cuda_zeros(num_elements: int) -> Any:
-    """A float32 tensor on this process's current CUDA device."""
+def cuda_zeros(num_elements: int, dtype: WeightsDtype = "float32") -> Any:
+    """A float32 (or bfloat16) tensor on this process's current CUDA device."""
     import torch
 
     require_cuda()
-    return torch.zeros(num_elements, dtype=torch.float32, device=torch.device("cuda", torch.cuda.current_device()))
+    return torch.zeros(num_elements, dtype=getattr(torch, dtype), device=torch.device("cuda", torch.cuda.current_device()))
 
 
 class RegisteredBuffer:
-    """``num_elements`` float32 values registered with one engine until ``release``: a numpy array
-    in host memory, or a torch tensor on the current CUDA device (``memory="cuda"``)."""
+    """``num_elements`` float32 (or bfloat16) values registered with one engine until ``release``: a
+    numpy array in host memory (bfloat16 as raw uint16 bits), or a torch tensor on the current CUDA
+    device (``memory="cuda"``)."""
 
-    def __init__(self, engine: Any, num_elements: int, memory: MooncakeMemory = "cpu"):
+    def __init__(self, engine: Any, num_elements: int, memory: MooncakeMemory = "cpu", dtype: WeightsDtype = "float32"):
         self.num_elements = num_elements
-        self.nbytes = num_elements * 4
+        self.dtype: WeightsDtype = dtype
+        self.nbytes = num_elements * WEIGHT_ITEMSIZE[dtype]
         self.data: Any
         if memory == "cuda":
-            self.data = cuda_zeros(num_elements)  # zeroed on the device: its pages are mapped now
+            self.data = cuda_zeros(num_elements, dtype)  # zeroed on the device: its pages are mapped now
             self.addr = int(self.data.data_ptr())
         else:
-            self.data = np.empty(num_elements, dtype="<f4")
+            self.data = np.empty(num_elements, dtype="<f4" if dtype == "float32" else "<u2")
             # Touch every page now: first-touch faults would otherwise land inside the first transfer.
             self.data.fill(0.0)
             self.addr = int(self.data.ctypes.data)
@@ -152,7 +154,7 @@ class RegisteredBuffer:
         if isinstance(self.data, np.ndarray):
             if not isinstance(src, np.ndarray):
                 src = src.detach().cpu().numpy()
-            np.copyto(self.data, src, casting="no")
+            np.copyto(self.data, src, casting="no")  # a float32 into a bf16 slot is refused, not cast
         else:
             import torch
 
@@ -175,36 +177,40 @@ class _Slot:
 
 
 class MooncakeWeightPublisher:
-    """The core's ``WeightPublisher``: two registered slots, a control ROUTER on its own thread."""
+    """The core's ``WeightPublisher``: two registered slots per dtype it publishes (float32, and a
+    bfloat16 serving copy with ``serve_bf16``), a control ROUTER on its own thread."""
 
     def __init__(self, ctx: zmq.Context, bind_addr: str, *, host: str, protocol: MooncakeProtocol = "tcp",
-                 device_name: str = "", memory: MooncakeMemory = "cpu"):
+                 device_name: str = "", memory: MooncakeMemory = "cpu", serve_bf16: bool = False):
         if memory == "cuda":
             require_cuda()
         self._memory: MooncakeMemory = memory
+        self._dtypes: tuple[WeightsDtype, ...] = ("float32", "bfloat16") if serve_bf16 else ("float32",)
         self._engine, self.session_id = start_engine(host, protocol, device_name)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         curve.server(self._sock)
         self._sock.bind(bind_addr)
         self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._slots: list[_Slot] = []
-        self._latest: int | None = None  # the slot offered to pullers
+        self._slots: dict[str, list[_Slot]] = {d: [] for d in self._dtypes}
+        self._latest: int | None = None  # the slot index offered to pullers (the same in every dtype)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mooncake-weights", daemon=True)
 
     def publish(self, weights: FlatWeights) -> None:
-        """Copy ``weights`` into the slot not offered now, then offer it. One thread only."""
+        """Copy ``weights`` (and its bf16 copy) into the slots not offered now, then offer them. One thread only."""
         target = 0 if self._latest is None else 1 - self._latest
-        slot = self._slot(target, weights.num_elements)
+        for dtype in self._dtypes:
+            slot = self._slot(dtype, target, weights.num_elements)
+            with self._lock:
+                slot.generation += 1  # before the first byte changes: readers of the old bytes fail their check
+                slot.writing = True
+            slot.buffer.write((weights if dtype == "float32" else to_bf16(weights)).data)
+            with self._lock:
+                slot.writing = False
+                slot.version, slot.specs = weights.version, weights.specs
         with self._lock:
-            slot.generation += 1  # before the first byte changes: readers of the old bytes fail their check
-            slot.writing = True
-        slot.buffer.write(weights.data)
-        with self._lock:
-            slot.writing = False
-            slot.version, slot.specs = weights.version, weights.specs
             self._latest = target
 
     def start(self) -> None:
@@ -216,18 +222,20 @@ class MooncakeWeightPublisher:
             self._thread.join(timeout=2)
         else:
             self._sock.close(0)
-        for slot in self._slots:
-            slot.buffer.release(self._engine)
-        self._slots.clear()
+        for slots in self._slots.values():
+            for slot in slots:
+                slot.buffer.release(self._engine)
+            slots.clear()
         self._engine = None  # the engine's own threads and ports go with the object
 
-    def _slot(self, index: int, num_elements: int) -> _Slot:
-        held = self._slots[0].buffer.num_elements if self._slots else num_elements
+    def _slot(self, dtype: WeightsDtype, index: int, num_elements: int) -> _Slot:
+        slots = self._slots[dtype]
+        held = slots[0].buffer.num_elements if slots else num_elements
         if held != num_elements:
             raise ValueError(f"publish: {num_elements} elements, the registered slots hold {held}")
-        if index == len(self._slots):  # registered once, on the first version that needs it
-            self._slots.append(_Slot(RegisteredBuffer(self._engine, num_elements, self._memory)))
-        return self._slots[index]
+        if index == len(slots):  # registered once, on the first version that needs it
+            slots.append(_Slot(RegisteredBuffer(self._engine, num_elements, self._memory, dtype)))
+        return slots[index]
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -250,19 +258,23 @@ class MooncakeWeightPublisher:
             log.warning("mooncake publisher: rejected request: %s", exc)
             return ErrorReply(where="mooncake_weights", message=str(exc))
         with self._lock:
+            slots = self._slots.get(req.dtype)
+            if slots is None:
+                return ErrorReply(where=req.TAG, message=f"{req.dtype} is not published here (the run's engines "
+                                                         "do not serve in bf16)")
             if isinstance(req, CheckSlot):
-                if req.slot >= len(self._slots):
+                if req.slot >= len(slots):
                     return ErrorReply(where="check_slot", message=f"slot {req.slot} was never offered")
-                slot = self._slots[req.slot]
+                slot = slots[req.slot]
                 return SlotChecked(unchanged=slot.generation == req.generation and not slot.writing)
-            if self._latest is None or self._slots[self._latest].version < req.min_version:
-                have = -1 if self._latest is None else self._slots[self._latest].version
+            if self._latest is None or slots[self._latest].version < req.min_version:
+                have = -1 if self._latest is None else slots[self._latest].version
                 return ErrorReply(where="pull_weights", message=f"have version {have}, asked for >= {req.min_version}")
-            slot = self._slots[self._latest]
+            slot = slots[self._latest]
             return WeightsOffer(
                 weight_version=slot.version, num_elements=slot.buffer.num_elements, tensors=list(slot.specs),
                 session_id=self.session_id, remote_addr=slot.buffer.addr, slot=self._latest,
-                generation=slot.generation,
+                generation=slot.generation, dtype=req.dtype,
             )
 
     def _reply(self, ident: bytes, msg: Message) -> None:
@@ -294,13 +306,13 @@ class MooncakeWeightPuller:
         self.chunk_bytes = chunk_bytes
         """Size of each read in a pull's batch; may be changed between pulls (bench.transfer does)."""
         self._max_torn_retries = max_torn_retries
-        self._buffer: RegisteredBuffer | None = None
+        self._buffer: RegisteredBuffer | None = None  # one at a time: a serving cell pulls one dtype
         # Buffers a timed-out read may still be writing into: kept alive, never reused.
         self._abandoned: list[RegisteredBuffer] = []
         self.num_torn = 0
         """Reads thrown away because the core rewrote their slot meanwhile (for tests and logs)."""
 
-    def pull(self, addr: str, min_version: int, timeout_s: float) -> FlatWeights:
+    def pull(self, addr: str, min_version: int, timeout_s: float, dtype: WeightsDtype = "float32") -> FlatWeights:
         if self._engine is None:
             raise TransferError("mooncake puller: pull after close")
         deadline = time.monotonic() + timeout_s
@@ -310,12 +322,14 @@ class MooncakeWeightPuller:
         sock.connect(addr)
         try:
             for _ in range(self._max_torn_retries + 1):
-                offer = self._ask(sock, addr, PullWeights(min_version=min_version), WeightsOffer, deadline)
+                offer = self._ask(sock, addr, PullWeights(min_version=min_version, dtype=dtype), WeightsOffer, deadline)
                 if offer.weight_version < min_version:
                     raise TransferError(f"weights from {addr}: offered version {offer.weight_version} < {min_version}")
-                buffer = self._receive_buffer(offer.num_elements)
+                if offer.dtype != dtype:
+                    raise TransferError(f"weights from {addr}: offered {offer.dtype}, asked for {dtype}")
+                buffer = self._receive_buffer(offer.num_elements, dtype)
                 self._read(offer, buffer, deadline)
-                check = CheckSlot(slot=offer.slot, generation=offer.generation)
+                check = CheckSlot(slot=offer.slot, generation=offer.generation, dtype=dtype)
                 if self._ask(sock, addr, check, SlotChecked, deadline).unchanged:
                     return FlatWeights(offer.weight_version, tuple(offer.tensors), buffer.data)
                 self.num_torn += 1
@@ -343,10 +357,11 @@ class MooncakeWeightPuller:
             raise TransferError(f"weight publisher {addr}: {reply.message}")
         return reply
 
-    def _receive_buffer(self, num_elements: int) -> RegisteredBuffer:
-        if self._buffer is None or self._buffer.num_elements != num_elements:
-            self._drop_buffer()  # only when the model changes size: registration is once per size
-            self._buffer = RegisteredBuffer(self._engine, num_elements, self._memory)
+    def _receive_buffer(self, num_elements: int, dtype: WeightsDtype) -> RegisteredBuffer:
+        buf = self._buffer
+        if buf is None or buf.num_elements != num_elements or buf.dtype != dtype:
+            self._drop_buffer()  # only when the model (or the dtype) changes: registration is once per size
+            self._buffer = RegisteredBuffer(self._engine, num_elements, self._memory, dtype)
         return self._buffer
 
     def _drop_buffer(self) -> None:
@@ -360,7 +375,7 @@ class MooncakeWeightPuller:
         The chunks spread over Mooncake's connections to the peer and run at once; the wait
         polls each chunk's status with a short sleep in between (see POLL_INTERVAL_S).
         """
-        nbytes = offer.num_elements * 4
+        nbytes = offer.num_elements * WEIGHT_ITEMSIZE[offer.dtype]
         pending = []
         for start in range(0, nbytes, self.chunk_bytes):
             length = min(self.chunk_bytes, nbytes - start)

@@ -31,6 +31,8 @@ CellPhase = Literal["starting", "serving", "draining", "to_train", "training", "
 Outcome = Literal["finished", "timed_out", "crashed"]
 FinishReason = Literal["stop", "length", "abort"]
 Lineage = Literal["main", "main-summary", "sub-agent", "sub-agent-summary", "side"]
+WeightsDtype = Literal["float32", "bfloat16"]
+WEIGHT_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 PeerKind = Literal["cell", "proxy", "processor"]
 
 
@@ -568,6 +570,9 @@ class Delivered(Message):
 class PullWeights(Message):
     TAG: ClassVar[str] = "pull_weights"
     min_version: int
+    dtype: WeightsDtype = "float32"
+    """``bfloat16``: the serving copy (half the bytes), for an engine that serves in bf16; a
+    trainer starts from ``float32``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -585,12 +590,14 @@ class TensorSpec(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsHeader(Message):
-    """Precedes a raw little-endian float32 buffer holding every tensor back to back."""
+    """Precedes a raw little-endian buffer of ``dtype`` (bfloat16 as its raw 16 bits) holding every
+    tensor back to back."""
 
     TAG: ClassVar[str] = "weights_header"
     weight_version: int
     num_elements: int
     tensors: list[TensorSpec]
+    dtype: WeightsDtype = "float32"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -611,7 +618,7 @@ class GradsHeader(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WeightsOffer(Message):
-    """Where ``weight_version`` lies: ``num_elements`` float32 at ``remote_addr`` in the core's
+    """Where ``weight_version`` lies: ``num_elements`` of ``dtype`` at ``remote_addr`` in the core's
     Mooncake segment ``session_id`` (``host:rpc_port``), slot ``slot`` at ``generation``."""
 
     TAG: ClassVar[str] = "weights_offer"
@@ -622,6 +629,7 @@ class WeightsOffer(Message):
     remote_addr: int
     slot: int
     generation: int
+    dtype: WeightsDtype = "float32"
 
     def check(self) -> None:
         if self.num_elements < 1:
@@ -651,6 +659,7 @@ class CheckSlot(Message):
     TAG: ClassVar[str] = "check_slot"
     slot: int
     generation: int
+    dtype: WeightsDtype = "float32"
 
     def check(self) -> None:
         if self.slot not in (0, 1):

@@ -26,6 +26,7 @@ import numpy as np
 import psutil
 import pytest
 import yaml
+import torch
 
 from cellrunner.config import ModelConfig
 from cellrunner.engine_sglang import (
@@ -437,3 +438,22 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log(tmp_path, fa
     with pytest.raises(SGLangError, match="(?s)exited with 2.*unrecognized arguments: --no-such-flag"):
         unknown.start()
     unknown.stop()
+
+
+def test_a_bf16_serving_copy_is_written_as_it_came(tmp_path):
+    """A serving cell pulls the bf16 copy (half the bytes); the folder SGLang loads holds the same
+    bf16 values the float32 version rounds to, so a serving cell loses nothing by it."""
+    from safetensors.torch import load_file
+
+    from cellrunner.engine_sglang import model_config_json, write_weights
+    from cellrunner.model import to_bf16
+
+    w = weights(3)
+    served = to_bf16(w)
+    assert served.dtype == "bfloat16" and served.nbytes * 2 == w.nbytes
+    cfg_json = model_config_json(model_cfg(), VOCAB, "bfloat16")
+    a = load_file(os.path.join(write_weights(w, str(tmp_path / "f32"), dtype=torch.bfloat16, config_json=cfg_json),
+                               "model.safetensors"))
+    b = load_file(os.path.join(write_weights(served, str(tmp_path / "bf16"), dtype=torch.bfloat16,
+                                             config_json=cfg_json), "model.safetensors"))
+    assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)

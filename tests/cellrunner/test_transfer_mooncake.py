@@ -400,3 +400,34 @@ def test_a_slot_takes_torch_tensors_too(ctx: zmq.Context) -> None:
     finally:
         puller.close()
         pub.close()
+
+
+def test_serving_engines_pull_a_bf16_copy_at_half_the_bytes(ctx: zmq.Context) -> None:
+    """serve_bf16: the core keeps a bf16 copy of each version beside the float32 one; a serving
+    cell pulls it (half the bytes), a training cell still gets float32, and a publisher without
+    the copy says so instead of sending float32 bits as bf16."""
+    import torch
+
+    from cellrunner.model import to_bf16
+
+    w = tiny_weights(4)
+    pub = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST, serve_bf16=True)
+    plain = MooncakeWeightPublisher(ctx, f"tcp://{HOST}:0", host=HOST)
+    pub.start()
+    plain.start()
+    puller = MooncakeWeightPuller(ctx, host=HOST)
+    try:
+        pub.publish(w)
+        plain.publish(w)
+        served = puller.pull(pub.addr, 4, timeout_s=30, dtype="bfloat16")
+        assert served.dtype == "bfloat16" and served.nbytes * 2 == w.nbytes
+        assert torch.equal(served.tensor(), torch.from_numpy(w.data).to(torch.bfloat16))
+        assert np.array_equal(served.data, to_bf16(w).data)
+        trained = puller.pull(pub.addr, 4, timeout_s=30)  # the same puller, back to float32
+        assert trained.dtype == "float32" and np.array_equal(trained.data, w.data)
+        with pytest.raises(TransferError, match="bfloat16 is not published here"):
+            puller.pull(plain.addr, 4, timeout_s=30, dtype="bfloat16")
+    finally:
+        puller.close()
+        pub.close()
+        plain.close()

@@ -142,7 +142,8 @@ def test_presets_give_a_parallel_layout_and_a_path_only(preset, folders):
     assert set(raw) == {"defaults", "name", "path", "parallel"}
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"model={preset}", f"model.path={folders['dense']}", "trainer=megatron",
-                                           "engine=sglang", "cluster.ranks_per_node=8"])
+                                           "engine=sglang", "cluster.ranks_per_node=8",
+                                           "engine.weight_dir=/shared/gyre-weights"])  # 235B's servers span 2 nodes
     built = build_config(OmegaConf.to_container(cfg, resolve=True))
     par = built.model.parallel
     assert built.model.tokenizer == "hf" and built.model.hidden_size == 0

@@ -233,6 +233,27 @@ def test_logprobs_loss_and_gradient_equal_the_embedded_trainers():
     np.testing.assert_allclose(flat, g_emb, rtol=0, atol=1e-5 * scale)
 
 
+def test_logprobs_are_taken_at_the_rollout_temperature():
+    """algo.rollout.temperature 0.5: Megatron's log-probs are the embedded trainer's at T = 0.5,
+    and not the T = 1 ones (what an engine sampling at 0.5 scored its tokens under)."""
+    raw = yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml"))
+    algo = algo_cfg(rollout={**raw["rollout"], "temperature": 0.5})
+    cfg = model_cfg()
+    emb = EmbeddedTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True)
+    emb.start(None)
+    meg = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())
+    meg.start(None)
+    batch = pack(list(make_shard(3).sequences))
+    with torch.no_grad():
+        want = token_logprobs(emb.model, batch, 0.5)
+        at_one = token_logprobs(emb.model, batch, 1.0)
+        logits = meg.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids), None)
+        got = meg.token_logprobs(logits, batch.targets)
+    real = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=2e-5)
+    assert float((got[real] - at_one[real]).abs().max()) > 1e-3
+
+
 def test_trains_with_megatron_optimizer_and_norm_matches_embedded():
     cfg = model_cfg()
     algo = algo_cfg(eps_low=0.2, eps_high=10.0, lr=3e-3)  # wide clip: the ratio may move, so the loss can fall

@@ -68,7 +68,7 @@ def counts(view: SchedulerView) -> tuple[int, int, int]:
 # ---------------------------------------------------------------- 1. serving capacity
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(snapshots())
 def test_running_work_always_keeps_enough_serving_cells(snap):
     view, cfg = snap
@@ -82,7 +82,7 @@ def test_running_work_always_keeps_enough_serving_cells(snap):
         assert after >= need
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(snapshots())
 def test_without_training_work_all_live_work_gets_its_cells(snap):
     view, cfg = snap
@@ -115,7 +115,7 @@ def core_of(view: SchedulerView) -> CellView:
     return next(c for c in view.cells if c.is_core)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(snapshots())
 def test_training_demand_is_never_ignored(snap):
     view, cfg = snap
@@ -129,7 +129,7 @@ def test_training_demand_is_never_ignored(snap):
     assert went or reserved  # the core goes now, or its slots drain so that it can
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(snapshots())
 def test_the_core_goes_to_train_whenever_the_others_hold_the_running_work(snap):
     view, cfg = snap
@@ -144,7 +144,7 @@ def test_the_core_goes_to_train_whenever_the_others_hold_the_running_work(snap):
 # ---------------------------------------------------------------- what every policy owes the controller
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.sampled_from(["elastic", "async", "colocate"]).flatmap(snapshots))
 def test_every_policy_is_pure_and_moves_only_movable_cells_once(snap):
     view, cfg = snap

@@ -34,9 +34,10 @@ from cellrunner.backends import (
     CellRunnerConfig, check_ranks, make_engine, make_rank_links, make_trainer, make_weight_publisher,
     make_weight_puller, serving_dtype,
 )
+from cellrunner.config import MegatronConfig
 from cellrunner.errors import BackendUnavailable
 from cellrunner.grads import GradExchange
-from cellrunner.model import FlatWeights, build_model, flatten_params, vocab_rows, weights_digest
+from cellrunner.model import FlatWeights, build_model, flatten_params, to_bf16, vocab_rows, weights_digest
 from cellrunner.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
@@ -104,6 +105,10 @@ class CellRunner:
         else:
             self.weight_puller = make_weight_puller(self.cfg, self.ctx)
             initial = flatten_params(build_model(self.cfg.model, self.vocab_size), 0)
+            if isinstance(self.cfg.trainer, MegatronConfig) and self.cfg.trainer.params_dtype == "bfloat16":
+                # The core's version 0 is its bf16 parameters: start from the same values (a bf16
+                # checkpoint loses nothing; a float32 one is rounded here as the core rounded it).
+                initial = FlatWeights(0, initial.specs, to_bf16(initial).tensor().float().numpy())
         self.engine.start()
         self.engine.resume(initial)
         self.phase = "serving"

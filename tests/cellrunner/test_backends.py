@@ -30,12 +30,12 @@ def test_a_multi_rank_cell_needs_megatron_and_a_server_spanning_its_nodes(tmp_pa
         check_ranks(cell_cfg(tmp_path), ranks(0))
     with pytest.raises(ValueError, match="engine.nnodes=1, but the cell has 2 node"):
         check_ranks(cell_cfg(tmp_path, "trainer=megatron", "engine=sglang"), ranks(0))
-    check_ranks(cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "engine.nnodes=2"), ranks(5))
+    check_ranks(cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "engine.nnodes=2", "engine.weight_dir=/shared/w"), ranks(5))
     check_ranks(cell_cfg(tmp_path), ranks_from_env({}))  # the embedded default: one process
 
 
 def test_each_node_runs_its_part_of_the_cells_sglang_server(tmp_path):
-    cfg = cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "engine.nnodes=2")
+    cfg = cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "engine.nnodes=2", "engine.weight_dir=/shared/w")
     leader = make_engine(cfg, 300, 1, ranks(0))
     assert isinstance(leader, SGLangEngine) and leader.serves_http
     assert make_node_engine(cfg, 300, 1, ranks(1)) is None  # node 0's other ranks: rank 0 runs it

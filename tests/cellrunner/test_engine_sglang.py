@@ -241,7 +241,7 @@ def test_launch_command_from_config(tmp_path):
                            dummy_weights=False)
     assert "--ep-size" not in plain and "--load-format" not in plain and "--context-length" not in plain
 
-    multi = sglang_cfg(tmp_path, nnodes=2, tp_size=16)
+    multi = sglang_cfg(tmp_path, nnodes=2, tp_size=16, weight_dir="/shared/gyre-weights")  # a shared folder
     cmd = launch_command(multi, model_path="/m", host="h", port=1, max_running=1, seed=0, dummy_weights=True,
                          node_rank=1, dist_init_addr="10.0.0.1:5000")
     flags = dict(zip(cmd[3:], cmd[4:]))

@@ -271,7 +271,7 @@ def methods(
     for chunk in chunks:
         table[f"mooncake@{chunk_name(chunk)}"] = mooncake_at(chunk, spin=False)
     table[f"mooncake_sync@{chunk_name(DEFAULT_CHUNK_BYTES)}"] = mooncake_at(DEFAULT_CHUNK_BYTES, spin=True)
-    # A serving cell's pull of the bf16 copy, on its own puller (one receive buffer per dtype).
+    # A serving cell's pull of the bf16 copy, on a plain puller at the default read size.
     bf16 = MooncakeWeightPuller(ctx, host=HOST)
     table["mooncake_bf16"] = lambda: bf16.pull(ready["mooncake"], 0, TIMEOUT_S, "bfloat16").data
     return table, [zmq_puller, mooncake, stream, bf16]

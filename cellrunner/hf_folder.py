@@ -32,9 +32,9 @@ def read_config(path: str) -> dict[str, Any]:
     kind = cfg.get("model_type")
     if kind not in ARCHITECTURES:
         raise CheckpointError(f"model.path: {path} is a {kind!r} model; Gyre runs {sorted(ARCHITECTURES)}")
-    rows = cfg.get("vocab_size")
-    if type(rows) is not int or rows < 1:
-        raise CheckpointError(f"model.path: {path}/config.json: vocab_size {rows!r}")
+    for key in ("vocab_size", "max_position_embeddings"):
+        if type(cfg.get(key)) is not int or cfg[key] < 1:
+            raise CheckpointError(f"model.path: {path}/config.json: want a positive int {key}, got {cfg.get(key)!r}")
     return cfg
 
 

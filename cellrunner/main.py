@@ -44,7 +44,6 @@ from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
 from controller import curve, engine_key, wire
-from controller.wire import WeightsDtype
 from controller.checkpoints import Checkpoint
 from controller.lifecycle import exit_with_parent
 from controller.typed_config import build
@@ -97,11 +96,11 @@ class CellRunner:
                 log.info("core: resumed from %s (version %d)", ckpt.path, ckpt.version)
             else:
                 self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
+            initial = self.trainer.weights()  # assembled once (a collective on a multi-rank core)
             self.weight_server = make_weight_publisher(self.cfg, self.ctx, serving=True)
-            self.weight_server.publish(self.trainer.weights())
+            self.weight_server.publish(initial)
             self.weight_server.start()
             self.core_weights_addr = self.weight_server.addr
-            initial = self.trainer.weights()
         else:
             self.weight_puller = make_weight_puller(self.cfg, self.ctx)
             initial = flatten_params(build_model(self.cfg.model, self.vocab_size), 0)
@@ -285,7 +284,7 @@ class CellRunner:
         self.trainer.start(weights)
         return pulled
 
-    def fetch_weights(self, version: int, dtype: WeightsDtype = "float32") -> FlatWeights:
+    def fetch_weights(self, version: int, dtype: wire.WeightsDtype = "float32") -> FlatWeights:
         """Version >= ``version`` from the core: float32 for a trainer, the engine's dtype for serving."""
         assert self.weight_puller is not None, "only satellites pull weights"
         return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s, dtype)

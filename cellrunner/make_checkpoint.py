@@ -29,28 +29,16 @@ MOE = dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_
            decoder_sparse_step=1, mlp_only_layers=[0])
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: every byte as a printable character (what ByteLevel BPE stores)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 @functools.lru_cache(maxsize=1)
 def qwen_tokenizer_json() -> str:
     """Qwen3's tokenizer.json, rebuilt from the BPE ranks: vocabulary, merges, split pattern, specials."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # ByteLevel BPE's byte alphabet
 
     from harness_proxy.tokenizer import PAT_STR, QWEN3_SPECIALS, QWEN_NUM_RANKS, _ranks
 
     ranks = _ranks()
-    chars = _byte_chars()
+    chars = bytes_to_unicode()
 
     def text(b: bytes) -> str:
         return "".join(chars[x] for x in b)

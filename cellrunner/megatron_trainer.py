@@ -330,7 +330,7 @@ class MegatronTrainer:
             return None  # a data-parallel replica of what DP rank 0 exports
         # .to(device): a core that offloaded while serving gathers its host copies on the GPU
         local = self._local_state(lambda p: p.detach().to(self.device))
-        hf = self._to_hf(local) if everywhere else self._to_hf_on_tp0(local)
+        hf = self._to_hf(local, everywhere=everywhere)
         if hf is None:
             return None
         multi_stage = parallel_state.get_pipeline_model_parallel_world_size() > 1
@@ -570,37 +570,26 @@ class MegatronTrainer:
             state.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
         return state
 
-    def _to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.tp_size > 1:
+    def _to_hf(self, local: dict[str, torch.Tensor], *, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
+        """This rank's tensors and its TP peers' as full HF tensors: on every TP rank (an
+        all-gather), or (``everywhere=False``) on TP rank 0 only (a gather), None elsewhere."""
+        if self.tp_size == 1:
+            shards = [local]
+        else:
             group = parallel_state.get_tensor_model_parallel_group()
-            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+            gets = everywhere or self.tp_rank == 0
+            shards = [{} for _ in range(self.tp_size)]
             for name in sorted(local):  # the same order on every TP rank
                 t = local[name].contiguous()
-                parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-                dist.all_gather(parts, t, group=group)
-                for r in range(self.tp_size):
+                parts = [torch.empty_like(t) for _ in range(self.tp_size)] if gets else None
+                if everywhere:
+                    dist.all_gather(parts, t, group=group)
+                else:  # to the global rank of this group's TP rank 0
+                    dist.gather(t, parts, dst=parallel_state.get_tensor_model_parallel_src_rank(), group=group)
+                for r in range(self.tp_size if gets else 0):
                     shards[r][name] = parts[r]
-        else:
-            shards = [local]
-        return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
-                              ep_rank=self.ep_rank, layers=self._global_layers)
-
-    def _to_hf_on_tp0(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """``_to_hf`` assembled on TP rank 0 only (a gather, not an all-gather); None elsewhere."""
-        if self.tp_size == 1:
-            return self._to_hf(local)
-        group = parallel_state.get_tensor_model_parallel_group()
-        dst = parallel_state.get_tensor_model_parallel_src_rank()  # the global rank of this group's TP rank 0
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
-        for name in sorted(local):  # the same order on every TP rank
-            t = local[name].contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            dist.gather(t, parts, dst=dst, group=group)
-            if parts is not None:
-                for r in range(self.tp_size):
-                    shards[r][name] = parts[r]
-        if self.tp_rank != 0:
-            return None
+            if not gets:
+                return None
         return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
                               ep_rank=self.ep_rank, layers=self._global_layers)
 

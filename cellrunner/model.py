@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwe
 
 from cellrunner import hf_folder
 from cellrunner.config import ModelConfig
-from controller.wire import TensorSpec
+from controller.wire import TensorSpec, WeightsDtype
 
 
 def vocab_rows(cfg: ModelConfig) -> int:
@@ -67,9 +67,8 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
 
 
 def max_positions(cfg: ModelConfig) -> int:
-    if cfg.path:
-        return int(hf_folder.read_config(cfg.path).get("max_position_embeddings", 0)) or 32768
-    return cfg.max_position_embeddings
+    """The longest sequence the model takes: the checkpoint's ``max_position_embeddings``, else the config's."""
+    return hf_folder.read_config(cfg.path)["max_position_embeddings"] if cfg.path else cfg.max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class FlatWeights:
         return int(self.data.nbytes) if isinstance(self.data, np.ndarray) else self.data.numel() * self.data.element_size()
 
     @property
-    def dtype(self) -> str:
+    def dtype(self) -> WeightsDtype:
         if isinstance(self.data, np.ndarray):
             return "bfloat16" if self.data.dtype == np.uint16 else "float32"
         return "bfloat16" if self.data.dtype == torch.bfloat16 else "float32"

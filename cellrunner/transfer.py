@@ -23,7 +23,7 @@ import zmq
 from cellrunner.model import FlatWeights, to_bf16
 from controller import curve
 from controller.wire import (
-    WEIGHT_ITEMSIZE, ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsDtype, WeightsHeader, decode, encode,
+    WEIGHT_ITEMSIZE, WEIGHT_NUMPY_DTYPE, ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsDtype, WeightsHeader, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,6 @@ class WeightServer:
             self._sock.send_multipart([ident, encode(header), memoryview(w.data)], copy=False)
         self._sock.close(0)
 
-
     def _serving_copy(self, w: FlatWeights) -> FlatWeights:
         """The bf16 copy of ``w``, made once per version (every serving cell asks for the same)."""
         with self._lock:
@@ -147,7 +146,7 @@ def pull_weights(ctx: zmq.Context, addr: str, min_version: int, timeout_s: float
         raise TransferError(f"weights from {addr}: {header.dtype}, asked for {dtype}")
     if len(parts) != 2 or len(parts[1].buffer) != header.num_elements * WEIGHT_ITEMSIZE[dtype]:
         raise TransferError(f"weights from {addr}: payload does not match header ({header.num_elements} x {dtype})")
-    data = np.frombuffer(parts[1].buffer, dtype="<f4" if dtype == "float32" else "<u2").copy()
+    data = np.frombuffer(parts[1].buffer, dtype=WEIGHT_NUMPY_DTYPE[dtype]).copy()
     return FlatWeights(header.weight_version, tuple(header.tensors), data)
 
 

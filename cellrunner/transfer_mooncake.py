@@ -42,7 +42,7 @@ from cellrunner.model import FlatWeights, to_bf16
 from cellrunner.transfer import TransferError
 from controller import curve
 from controller.wire import (
-    WEIGHT_ITEMSIZE, CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec,
+    WEIGHT_ITEMSIZE, WEIGHT_NUMPY_DTYPE, CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec,
     WeightsDtype, WeightsOffer, decode, encode,
 )
 
@@ -141,7 +141,7 @@ class RegisteredBuffer:
             self.data = cuda_zeros(num_elements, dtype)  # zeroed on the device: its pages are mapped now
             self.addr = int(self.data.data_ptr())
         else:
-            self.data = np.empty(num_elements, dtype="<f4" if dtype == "float32" else "<u2")
+            self.data = np.empty(num_elements, dtype=WEIGHT_NUMPY_DTYPE[dtype])
             # Touch every page now: first-touch faults would otherwise land inside the first transfer.
             self.data.fill(0.0)
             self.addr = int(self.data.ctypes.data)
@@ -306,7 +306,9 @@ class MooncakeWeightPuller:
         self.chunk_bytes = chunk_bytes
         """Size of each read in a pull's batch; may be changed between pulls (bench.transfer does)."""
         self._max_torn_retries = max_torn_retries
-        self._buffer: RegisteredBuffer | None = None  # one at a time: a serving cell pulls one dtype
+        # One receive buffer per dtype, each registered once: a satellite's engine pulls bf16 and its
+        # trainer float32, and alternating would register a model-sized buffer on every pull.
+        self._buffers: dict[str, RegisteredBuffer] = {}
         # Buffers a timed-out read may still be writing into: kept alive, never reused.
         self._abandoned: list[RegisteredBuffer] = []
         self.num_torn = 0
@@ -339,7 +341,8 @@ class MooncakeWeightPuller:
         raise TransferError(f"weights from {addr}: {self._max_torn_retries + 1} reads in a row overlapped a publish")
 
     def close(self) -> None:
-        self._drop_buffer()
+        for dtype in list(self._buffers):
+            self._drop_buffer(dtype)
         self._engine = None  # the engine's own threads and ports go with the object
 
     def _ask(self, sock: zmq.Socket, addr: str, msg: Message, want: type[Message], deadline: float) -> Any:
@@ -358,16 +361,16 @@ class MooncakeWeightPuller:
         return reply
 
     def _receive_buffer(self, num_elements: int, dtype: WeightsDtype) -> RegisteredBuffer:
-        buf = self._buffer
-        if buf is None or buf.num_elements != num_elements or buf.dtype != dtype:
-            self._drop_buffer()  # only when the model (or the dtype) changes: registration is once per size
-            self._buffer = RegisteredBuffer(self._engine, num_elements, self._memory, dtype)
-        return self._buffer
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.num_elements != num_elements:
+            self._drop_buffer(dtype)  # only when the model changes size: registration is once per size
+            buf = self._buffers[dtype] = RegisteredBuffer(self._engine, num_elements, self._memory, dtype)
+        return buf
 
-    def _drop_buffer(self) -> None:
-        if self._buffer is not None:
-            self._buffer.release(self._engine)
-            self._buffer = None
+    def _drop_buffer(self, dtype: WeightsDtype) -> None:
+        buf = self._buffers.pop(dtype, None)
+        if buf is not None:
+            buf.release(self._engine)
 
     def _read(self, offer: WeightsOffer, buffer: RegisteredBuffer, deadline: float) -> None:
         """Submit every chunk as its own asynchronous read, then wait for all of them.
@@ -406,4 +409,4 @@ class MooncakeWeightPuller:
     def _abandon(self, buffer: RegisteredBuffer) -> None:
         """Reads of this buffer may still land: never hand it out again, never free it."""
         self._abandoned.append(buffer)
-        self._buffer = None
+        self._buffers.pop(buffer.dtype, None)

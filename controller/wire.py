@@ -33,6 +33,7 @@ FinishReason = Literal["stop", "length", "abort"]
 Lineage = Literal["main", "main-summary", "sub-agent", "sub-agent-summary", "side"]
 WeightsDtype = Literal["float32", "bfloat16"]
 WEIGHT_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+WEIGHT_NUMPY_DTYPE = {"float32": "<f4", "bfloat16": "<u2"}  # bf16 travels and is held as its raw 16 bits
 PeerKind = Literal["cell", "proxy", "processor"]
 
 

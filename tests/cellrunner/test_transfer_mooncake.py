@@ -425,6 +425,8 @@ def test_serving_engines_pull_a_bf16_copy_at_half_the_bytes(ctx: zmq.Context) ->
         assert np.array_equal(served.data, to_bf16(w).data)
         trained = puller.pull(pub.addr, 4, timeout_s=30)  # the same puller, back to float32
         assert trained.dtype == "float32" and np.array_equal(trained.data, w.data)
+        again = puller.pull(pub.addr, 4, timeout_s=30, dtype="bfloat16")  # each dtype's buffer registered once
+        assert again.data.ctypes.data == served.data.ctypes.data and np.array_equal(again.data, to_bf16(w).data)
         with pytest.raises(TransferError, match="bfloat16 is not published here"):
             puller.pull(plain.addr, 4, timeout_s=30, dtype="bfloat16")
     finally:

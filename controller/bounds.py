@@ -52,7 +52,7 @@ def makespan_bound(trace: Trace, runs: RunSource, *, release: Release = "group")
             gid = f"s{step}-g{g}"
             graded = sorted(start + min(wl.launch_s + sum(runs(f"{gid}-e{i}", step)), wl.timeout_s) + wl.grade_s
                             for i in range(wl.group_size))
-            arrivals += _group_arrivals(graded, wl.microsteps_per_group, release)
+            arrivals += _group_arrivals(graded, trace.microsteps_of_step(step), release)
         previous = applied[-1] if applied else 0.0
         applied.append(_train_end(arrivals, previous, cc.num_cells, cc.compute_slots, cc.microstep_s) + cc.apply_s)
     return applied[-1]
@@ -65,7 +65,7 @@ def serving_bound(trace: Trace, runs: RunSource) -> float:
     wl, cc = trace.workload, trace.cells
     held = sum(min(wl.launch_s + sum(runs(f"s{step}-g{g}-e{i}", step)), wl.timeout_s)
                for step in range(wl.steps) for g in range(wl.groups_per_step) for i in range(wl.group_size))
-    microsteps = wl.steps * wl.groups_per_step * wl.microsteps_per_group
+    microsteps = sum(wl.groups_per_step * trace.microsteps_of_step(step) for step in range(wl.steps))
     return (held / cc.capacity_per_cell + microsteps * cc.microstep_s) / cc.num_cells
 
 

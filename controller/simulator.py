@@ -518,9 +518,10 @@ class Simulation:
         if gid not in self.groups:
             return
         before = self.released.get(gid, 0.0)
-        after = before + self.wl.microsteps_per_group / self.wl.group_size
+        n = self.trace.microsteps_of_step(step)
+        after = before + n / self.wl.group_size
         self.released[gid] = after
-        for k in range(int(before + EPS), min(int(after + EPS), self.wl.microsteps_per_group)):
+        for k in range(int(before + EPS), min(int(after + EPS), n)):
             self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=0, sequences=[]))
             self.dirty = True
 
@@ -530,7 +531,7 @@ class Simulation:
         versions = [v for ex in group for v in ex.call_versions]
         if versions:
             self.max_staleness = max(self.max_staleness, step - min(versions))
-        n = self.wl.microsteps_per_group
+        n = self.trace.microsteps_of_step(step)
         first = min(int(self.released.pop(gid, 0.0) + EPS), n - 1)  # the last shard carries the group
         for k in range(first, n):
             self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=len(group) if k == first else 0,

@@ -7,7 +7,7 @@ trace, with the staleness bound the trace names, so comparisons are matched.
     {"format": "gyre-trace/1", "name": ..., "description": ..., "generator": ...,
      "cells": {...CellCosts...}, "workload": {...WorkloadShape...},
      "reference_h": {"elastic": h, "async": h, "colocate": h} | null,
-     "phases": [{"name": str, "first_step": int, "runs": [lo, hi]}, ...],
+     "phases": [{"name": str, "first_step": int, "runs": [lo, hi], "microsteps_per_group": int?}, ...],
      "executions": [[call_s, think_s, call_s, think_s, ...], ...]}
 
 ``executions`` is a pool of harness runs. Each run alternates *call* segments (model time: it
@@ -101,6 +101,9 @@ class Phase:
     first_step: int
     runs: tuple[int, int]
     """``executions[lo:hi]``: the runs steps of this phase draw from."""
+    microsteps_per_group: int = 0
+    """Shards of one group in this phase's steps (runs with more tokens make more); 0: the
+    workload's ``microsteps_per_group``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +133,15 @@ class Trace:
             if not 0 <= lo < hi <= len(self.executions):
                 raise TraceError(f"phases[{i}].runs: want 0 <= lo < hi <= {len(self.executions)}, got {[lo, hi]}")
 
+    def phase_of_step(self, step: int) -> Phase:
+        return [ph for ph in self.phases if ph.first_step <= step][-1]
+
     def runs_of_step(self, step: int) -> tuple[tuple[float, ...], ...]:
-        phase = [ph for ph in self.phases if ph.first_step <= step][-1]
+        phase = self.phase_of_step(step)
         return self.executions[phase.runs[0]:phase.runs[1]]
+
+    def microsteps_of_step(self, step: int) -> int:
+        return self.phase_of_step(step).microsteps_per_group or self.workload.microsteps_per_group
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -176,7 +185,9 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
         "cells": {f.name: getattr(trace.cells, f.name) for f in fields(CellCosts)},
         "workload": {f.name: getattr(trace.workload, f.name) for f in fields(WorkloadShape)},
         "reference_h": trace.reference_h,
-        "phases": [{"name": ph.name, "first_step": ph.first_step, "runs": list(ph.runs)} for ph in trace.phases],
+        "phases": [{"name": ph.name, "first_step": ph.first_step, "runs": list(ph.runs)}
+                   | ({"microsteps_per_group": ph.microsteps_per_group} if ph.microsteps_per_group else {})
+                   for ph in trace.phases],
         "executions": [list(run) for run in trace.executions],
     }
 
@@ -233,15 +244,21 @@ def _phases(raw: Any) -> tuple[Phase, ...]:
         raise TraceError("phases: want a list of 1..1000 phases")
     out = []
     for i, item in enumerate(raw):
-        obj = _mapping(item, f"phases[{i}]", {"name", "first_step", "runs"})
+        keys = {"name", "first_step", "runs"} | ({"microsteps_per_group"} if isinstance(item, dict)
+                                                 and "microsteps_per_group" in item else set())
+        obj = _mapping(item, f"phases[{i}]", keys)
         runs = obj["runs"]
+        per_group = obj.get("microsteps_per_group", 0)
+        if type(per_group) is not int or per_group < 0:
+            raise TraceError(f"phases[{i}].microsteps_per_group: want an integer >= 0 (0 or absent: the workload's)")
         if not isinstance(obj["name"], str):
             raise TraceError(f"phases[{i}].name: want a string")
         if type(obj["first_step"]) is not int or obj["first_step"] < 0:
             raise TraceError(f"phases[{i}].first_step: want an integer >= 0")
         if not (isinstance(runs, list) and len(runs) == 2 and all(type(v) is int for v in runs)):
             raise TraceError(f"phases[{i}].runs: want [lo, hi] integers")
-        out.append(Phase(name=obj["name"], first_step=obj["first_step"], runs=(runs[0], runs[1])))
+        out.append(Phase(name=obj["name"], first_step=obj["first_step"], runs=(runs[0], runs[1]),
+                         microsteps_per_group=per_group))
     return tuple(out)
 
 

@@ -52,6 +52,8 @@ class PhaseShape:
     name: str
     first_step: int
     runs: RunShape
+    microsteps_per_group: int = 0
+    """0: the workload's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,18 +81,52 @@ def nl2repo_runs(*, near_timeout: float) -> RunShape:
     return RunShape(median_s=55 * MIN, sigma=0.5, near_timeout=near_timeout, call_share=0.7, turns=8)
 
 
+P2_4T_CELLS = CellCosts(num_cells=4, nodes_per_cell=48, capacity_per_cell=128, to_train_s=6 * MIN, to_serve_s=4 * MIN,
+                        weight_transfer_s=90.0, grad_transfer_s=60.0, microstep_s=5 * MIN, apply_s=3 * MIN,
+                        compute_slots=4, reroute_s=60.0)
+P2_4T_WORKLOAD = WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
+                               launch_s=2 * MIN, grade_s=3 * MIN, staleness=1, async_train_cells=1)
+DRIFT_PHASES = 8
+DRIFT_GROWTH = 4.0
+
+
+def drift_phases(*, steps: int, phases: int = DRIFT_PHASES, growth: float = DRIFT_GROWTH) -> tuple[PhaseShape, ...]:
+    """The 2.4T-like setup as training moves it: each of ``phases`` equal stretches of steps has
+    runs ``growth ** (i / (phases - 1))`` times the first stretch's median length and turns, and
+    as many more shards a group (tokens grow with the turns), so the last stretch's runs are
+    ``growth`` times the first's; more of them reach the timeout as they grow. Halfway the task
+    mix changes: tool-heavy tasks (a third of a run is model time instead of three quarters,
+    a longer tail), as when a curriculum moves from issue fixing to repository building."""
+    out = []
+    for i in range(phases):
+        k = growth ** (i / (phases - 1))
+        first = i * steps // phases
+        second_half = first >= steps // 2
+        out.append(PhaseShape(
+            name=f"drift{i}{'-tools' if second_half else ''}", first_step=first,
+            microsteps_per_group=max(1, round(2 * k)),
+            runs=RunShape(median_s=0.4 * HOUR * k, sigma=0.9 if second_half else 0.5,
+                          near_timeout=min(0.5, 0.04 * k * k), call_share=0.35 if second_half else 0.75,
+                          turns=max(1, round(4 * k))),
+        ))
+    return tuple(out)
+
+
 SPECS: tuple[Spec, ...] = (
     Spec(
         name="p2_4t",
         description="2.4T-like: 4 cells x 48 nodes, ~700k tokens per execution, hours-long long-tailed runs, "
                     "many near the timeout, 48 steps",
-        cells=CellCosts(num_cells=4, nodes_per_cell=48, capacity_per_cell=128, to_train_s=6 * MIN, to_serve_s=4 * MIN,
-                        weight_transfer_s=90.0, grad_transfer_s=60.0, microstep_s=5 * MIN, apply_s=3 * MIN,
-                        compute_slots=4, reroute_s=60.0),
-        workload=WorkloadShape(steps=48, groups_per_step=8, group_size=16, timeout_s=2 * HOUR, microsteps_per_group=4,
-                               launch_s=2 * MIN, grade_s=3 * MIN, staleness=1, async_train_cells=1),
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
         phases=(PhaseShape(name="all", first_step=0, runs=RunShape(median_s=1.4 * HOUR, sigma=0.5, near_timeout=0.35, call_share=0.75, turns=8)),),
         reference_h={"elastic": 75.42, "async": 134.55, "colocate": 91.47},
+    ),
+    Spec(
+        name="p2_4t_drift",
+        description=f"2.4T-like with the drift of agentic RL: runs and tokens grow {DRIFT_GROWTH:g}x from the first "
+                    "step to the last (median 0.4 h to 1.6 h, 4 to 16 turns, 2 to 8 shards a group, more at the "
+                    "timeout), the task mix turns tool-heavy halfway",
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD, phases=drift_phases(steps=P2_4T_WORKLOAD.steps),
     ),
     Spec(
         name="nl2repo_122b",
@@ -150,7 +186,8 @@ def make_trace(spec: Spec, seed: int) -> Trace:
     for ph in spec.phases:
         lo = len(pool)
         pool += [tuple(draw_run(rng, ph.runs, spec.workload.timeout_s)) for _ in range(RUNS_PER_PHASE)]
-        phases.append(Phase(name=ph.name, first_step=ph.first_step, runs=(lo, len(pool))))
+        phases.append(Phase(name=ph.name, first_step=ph.first_step, runs=(lo, len(pool)),
+                            microsteps_per_group=ph.microsteps_per_group))
     shapes = "; ".join(f"{ph.name} from step {ph.first_step}: {ph.runs}" for ph in spec.phases)
     return Trace(
         name=spec.name, description=spec.description,

@@ -37,7 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from controller import wire
+from controller.typed_config import build
 from trajectory.log import AppendLog, decode_marker
+from workloads.config import WorkloadConfig
+from workloads.drift import run_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("elastic", "async", "colocate")
@@ -74,6 +77,15 @@ CPU_BOUND_OVERRIDES = (
     *LONG_TAILED, "model.hidden_size=448", "model.intermediate_size=1792", "model.num_hidden_layers=4",
     "algo.max_tokens_per_microstep=400",
 )
+# --workload drift: the balance moves as training goes (workloads/drift.py), the same for every
+# policy. Turns and think time grow 4x from the first step to the last (1 to 4 turns, a 0.75 s
+# to 3 s median: tokens per run grow with the turns), and from the middle step on the task mix
+# is tool-heavier (twice the think time), so more runs reach the timeout.
+DRIFT_OVERRIDES = tuple(o for o in BENCH_OVERRIDES if not o.startswith(("workload.max_turns=", "workload.think_time.median_s="))) + (
+    "workload.max_turns=1", "workload.think_time.median_s=0.75", "workload.drift.growth=4.0",
+    "workload.drift.mix_think=2.0", "workload.drift.mix_turns=1.0",
+)
+"""``workload.drift.over_steps`` and ``mix_step`` follow ``--steps`` (``drift_overrides``)."""
 FULL_STEPS = 20
 # --quick: the plumbing only (tiny default model, short think time), a couple of steps. The
 # timeout leaves room for 32 harnesses starting at once on 2 cores with a cold page cache (a fresh
@@ -105,6 +117,10 @@ def scaled(overrides: tuple[str, ...], k: float) -> tuple[str, ...]:
             value = repr(float(value) * k)
         out.append(f"{key}={value}")
     return tuple(out)
+
+
+def drift_overrides(steps: int) -> tuple[str, ...]:
+    return (*DRIFT_OVERRIDES, f"workload.drift.over_steps={steps}", f"workload.drift.mix_step={steps // 2}")
 
 
 class BenchError(RuntimeError):
@@ -192,7 +208,7 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
             if c.cell_id >= 0 and c.output_ids and (s := step_of(c.execution_id)) is not None]
     switches = ev.get("switch", [])
     work = run_dir / "work"
-    logs = sorted(work.glob("s*-e*.log"))
+    logs = sorted(work.glob("s*-e*/stdout.log"))  # each execution's folder (controller/executions.py)
     think = think_seconds(logs)
     return {
         "run_dir": str(run_dir),
@@ -230,12 +246,13 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
 
 
 def think_seconds(logs: list[Path]) -> dict[str, float]:
-    """Execution id -> the think time its harness applied (its log's ``harness: think <s>s ...`` line)."""
+    """Execution id (the log's folder) -> the think time its harness applied (the log's
+    ``harness: think <s>s ...`` line)."""
     think = {}
     for p in logs:
         words = p.read_text(errors="replace").split()
         if words[:2] == ["harness:", "think"]:
-            think[p.stem] = float(words[2].rstrip("s"))
+            think[p.parent.name] = float(words[2].rstrip("s"))
     return think
 
 
@@ -299,6 +316,8 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "weight_transfer_s": pooled(results, "load_s") or pooled(results, "pull_s"),
         "apply_s": pooled(results, "apply_s"), "microstep_s": pooled(results, "microstep_s"),
         "microsteps_per_step": median(microsteps_per_step),
+        # turns per run, averaged over the steps (workload.drift changes them): shards scale with them
+        "mean_turns": mean_turns(config),
         "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
         "call_s_median": pooled(results, "call_s"), "first_call_s_median": pooled(results, "first_call_s"),
         # A run's own overhead, measured where runs are never stalled (elastic); else harness start alone.
@@ -327,6 +346,14 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
     }
 
 
+def mean_turns(config: dict[str, Any]) -> float:
+    """A training run's turns averaged over the run's steps, from its workload config."""
+    from bench.simulate import embedded_setup  # the conf/ + overrides reader both benches use
+
+    workload = build(WorkloadConfig, embedded_setup({"config": config})["workload"])
+    return statistics.mean(run_shape(workload, s).max_turns for s in range(config["steps"]))
+
+
 def run_info() -> dict[str, Any]:
     load = os.getloadavg()
     return {
@@ -351,6 +378,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, short think time, 2 steps")
     ap.add_argument("--cpu-bound", action="store_true",
                     help="no emulated accelerators: a larger model whose four trainers share this machine's cores")
+    ap.add_argument("--workload", choices=("stationary", "drift"), default="stationary",
+                    help="drift: runs grow 4x over the steps and the task mix changes halfway (DRIFT_OVERRIDES)")
+    ap.add_argument("--fit", type=Path, default=None,
+                    help="a stationary bench.elastic result file whose costs predict this run (calibration_error, "
+                         "out of sample); default with --workload drift: bench/results/elastic-stationary.json")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--async-splits", default="2,3",
@@ -372,7 +404,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not policies or any(p not in POLICIES for p in policies):
         ap.error(f"--policies: a comma list of {POLICIES}")
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
-    overrides = QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound else BENCH_OVERRIDES
+    if args.workload == "drift" and (args.quick or args.cpu_bound):
+        ap.error("--workload drift: runs the paced bench setup (not with --quick or --cpu-bound)")
+    overrides = (QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound
+                 else drift_overrides(steps) if args.workload == "drift" else BENCH_OVERRIDES)
     if args.scale <= 0:
         ap.error("--scale: want > 0")
     overrides = scaled(overrides, args.scale) if args.scale != 1.0 else overrides
@@ -401,12 +436,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.quick and not all(r["think_time_applied"] for r in results.values()):
         raise BenchError("the harness ran without think time: controller/executions.py must pass "
                          "workload.think_time to workloads.harness (--think-* arguments)")
-    config = {"steps": steps, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
+    config = {"steps": steps, "workload": args.workload, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
               "scale": args.scale,
               "quick": args.quick, "cpu_bound": args.cpu_bound, "root": str(args.root)}
     out = summarise(results, config=config, launch_s=harness_start_s(args.root))
     out_path = args.out or runs_dir / "result.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({**out, "raw": results}, indent=1))
+    # Out of sample: the simulator, given the costs another run measured, predicts this one.
+    from bench.simulate import FIT_RESULT, calibrate
+    fit = args.fit or (FIT_RESULT if args.workload == "drift" else None)
+    cal = calibrate(out_path, fit) if fit is not None else {
+        "error": None, "reason": "no --fit result file: an out-of-sample prediction needs another run's costs"}
+    out |= {"calibration_error": cal["error"], "prediction": cal}
     out_path.write_text(json.dumps({**out, "raw": results}, indent=1))
     print_table(results)
     print(f"result file: {out_path}", file=sys.stderr)

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from harness_proxy.auth import mint_token
 from workloads.api import GradeResult, HarnessAdapter, HarnessLaunch, RunArtifacts, Sandbox, SandboxSpec, Task, TaskSet
 from workloads.config import WorkloadConfig
+from workloads.drift import run_shape
 from workloads.harnesses.common import common_env
 
 log = logging.getLogger(__name__)
@@ -172,10 +173,12 @@ class ExecutionManager:
         prompt_file = folder / "prompt.md"
         prompt_file.write_text(ex.task.prompt, encoding="utf-8")
         token = mint_token(self.secret, ex.execution_id, min_version=ex.min_version, train=ex.train)
+        shape = run_shape(self.cfg, ex.step, train=ex.train)
         launch = HarnessLaunch(
             execution_id=ex.execution_id, workspace=ws, prompt_file=prompt_file, home=home, model=self.model_name,
             base_url=f"{self.proxy.url}/v1", anthropic_base_url=self.proxy.url, token=token,
-            max_turns=self.cfg.max_turns, max_new_tokens=self.cfg.max_new_tokens, temperature=ex.temperature,
+            max_turns=shape.max_turns, max_new_tokens=self.cfg.max_new_tokens, temperature=ex.temperature,
+            think_scale=shape.think_scale,
         )
         cmd = self.harness.command(launch)
         env = {**common_env(launch), **cmd.env}

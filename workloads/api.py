@@ -103,8 +103,11 @@ class HarnessLaunch:
     token: str
     """The execution's bearer token; never put it on argv where a harness can take it from env."""
     max_turns: int
+    """This run's (``workload.drift`` may change it by step)."""
     max_new_tokens: int
     temperature: float
+    think_scale: float = 1.0
+    """Multiplies the bundled harness's think time for this run (``workload.drift``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

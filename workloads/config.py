@@ -27,6 +27,25 @@ class ThinkTimeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DriftConfig:
+    """Runs that change shape as training goes (workloads/drift.py): 1.0 and -1 leave them fixed."""
+
+    growth: float
+    """Turns and think time at step ``over_steps - 1``, as a multiple of step 0's (geometric between)."""
+    over_steps: int
+    mix_step: int
+    """From this step on the task mix changes (-1: never)."""
+    mix_think: float
+    """... think time x this (tool-heavier tasks: > 1)."""
+    mix_turns: float
+    """... turns x this."""
+
+    def check(self) -> None:
+        if not (self.growth > 0 and self.over_steps >= 1 and self.mix_think > 0 and self.mix_turns > 0):
+            raise ValueError("drift: want growth > 0, over_steps >= 1, mix_think > 0, mix_turns > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkloadConfig:
     name: str
     """The task set's name (``wordmap``, ``pyfix``, or a user's own)."""
@@ -61,6 +80,7 @@ class WorkloadConfig:
     """A harness run past this is killed and graded from its workspace (partial grading)."""
     task_seed: int
     think_time: ThinkTimeConfig
+    drift: DriftConfig
     harness_nice: int = 10
     """How far below the controller's CPU priority harness processes run (``nice`` steps), so a burst of harness start-ups (a step's
     group launched at once) cannot starve the controller, proxy and cells sharing the node's

@@ -99,7 +99,8 @@ def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):
 
     logs = []
     for eid, think in (("s0-g0-e0", 1.5), ("s0-g0-e1", 0.25), ("s0-g0-e2", 3.0)):
-        logs.append(tmp_path / f"{eid}.log")
+        logs.append(tmp_path / eid / "stdout.log")
+        logs[-1].parent.mkdir()
         logs[-1].write_text(f"harness: think {think:.3f}s over 3 turns\n")
     executions = [
         {"id": "s0-g0-e0", "train": True, "outcome": "finished", "run_s": 4.0},

@@ -34,6 +34,6 @@ class BundledHarness:
             "--temperature", str(launch.temperature), "--model", launch.model,
         ]
         if self.think is not None and self.think.kind == "lognormal":  # long-tailed run lengths (bench.elastic)
-            argv += ["--think-median-s", str(self.think.median_s), "--think-sigma", str(self.think.sigma),
+            argv += ["--think-median-s", str(self.think.median_s * launch.think_scale), "--think-sigma", str(self.think.sigma),
                      "--think-max-s", str(self.think.max_s), "--think-seed", str(self.think.seed)]
         return HarnessCommand(argv=argv, env={}, ro_paths=(HARNESS_FILE,))

@@ -765,6 +765,7 @@ class Controller:
             cells=self.cells.views(self.steps.busy_cells()),
             queued=self.executions.count("queued"),
             running=self.executions.count("running"),
+            queued_ahead=self.executions.queued_after(st.step + 1) if st is not None and self.stage == "train" else 0,
             rollouts_pending=self.stage in ("train", "eval_start") and self.planned_steps < self.cfg.run.steps,
             train_demand=self.steps.train_demand() if self.stage == "train" else 0,
             step_rollouts_done=st is not None and st.rollouts_done,

@@ -15,10 +15,10 @@ def cell(i, role="serve", phase=None, core=False, busy=False, running=0, trained
     return CellView(cell_id=i, role=role, phase=phase, is_core=core, busy=busy, num_running=running, trained_s=trained)
 
 
-def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0, grading=0):
+def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0, grading=0, ahead=0):
     return SchedulerView(cells=tuple(cells), queued=queued, running=running, rollouts_pending=pending,
                          train_demand=demand, step_rollouts_done=done, ready_microsteps=ready,
-                         queued_at_apply=at_apply, grading_groups=grading)
+                         queued_at_apply=at_apply, grading_groups=grading, queued_ahead=ahead)
 
 
 def moves(out):
@@ -116,6 +116,26 @@ def test_elastic_reserves_the_core_slots_while_it_is_due_to_train():
     assert launch_room(view(cells, queued=20, running=14, demand=3), cfg()) == 0  # 16 - 4 reserved - 14 < 0
     assert launch_room(view(cells, queued=20, running=10, demand=3), cfg()) == 2
     assert launch_room(view(cells, queued=20, running=10, demand=3), cfg("colocate")) == 6
+
+
+def test_elastic_starts_runs_of_steps_further_ahead_only_in_the_slack_of_the_nearer_work():
+    # Staleness 2: 6 runs of the next step run, 8 of the step after are queued ("ahead").
+    cells = [cell(0, "train", core=True), cell(1), cell(2), cell(3)]
+    # No microstep waiting for a cell: every free slot takes them, as before.
+    assert launch_room(view(cells, queued=8, running=6, demand=3, ahead=8), cfg()) == 6
+    # Microsteps waiting: only the 2 free slots of the two cells the 6 running runs hold; started
+    # on the third cell they would keep it serving (rule 1) while the trainable step needs it.
+    assert launch_room(view(cells, queued=8, running=6, demand=3, ready=2, ahead=8), cfg()) == 2
+    # Nearer runs queued start first (the queue is in step order): 2 fill the two cells; 3 need
+    # a third, whose slack then takes 3 of the runs further ahead.
+    assert launch_room(view(cells, queued=10, running=6, demand=3, ready=2, ahead=8), cfg()) == 2
+    assert launch_room(view(cells, queued=11, running=6, demand=3, ready=2, ahead=8), cfg()) == 3 + 3
+    # The fixed pools and colocate do as they did: the lookahead is elastic's.
+    assert launch_room(view(cells, queued=8, running=6, demand=3, ready=2, ahead=8), cfg("colocate")) == 6
+    # Nor do queued runs of steps further ahead count as live work a satellite serves for.
+    cells = [cell(0, "train", core=True), cell(1, "train"), cell(2), cell(3)]
+    assert decide(view(cells, queued=8, running=6, demand=4, ahead=8), cfg()) == []
+    assert moves(decide(view(cells, queued=8, running=6, demand=4, ahead=0), cfg())) == {(1, "serve")}
 
 
 def test_elastic_trains_everywhere_when_the_update_gates_every_rollout():

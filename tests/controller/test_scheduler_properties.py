@@ -43,7 +43,9 @@ def snapshots(draw, kind: str = "elastic") -> tuple[SchedulerView, SchedulerConf
     cfg = SchedulerConfig(kind=kind, capacity_per_cell=draw(st.integers(1, 16)), staleness=draw(st.integers(0, 2)),
                           min_serving_cells=draw(st.integers(0, 1)), train_cells=draw(st.integers(1, max(1, n - 1))))
     running = draw(st.integers(0, 80))
-    view = SchedulerView(cells=tuple(cells), queued=draw(st.integers(0, 80)), running=running,
+    queued = draw(st.integers(0, 80))
+    view = SchedulerView(cells=tuple(cells), queued=queued, running=running,
+                         queued_ahead=draw(st.integers(0, queued)) if cfg.staleness > 1 else 0,
                          rollouts_pending=draw(st.booleans()), train_demand=draw(st.integers(0, 6)),
                          step_rollouts_done=draw(st.booleans()), steps_left=draw(st.none() | st.integers(0, 3)),
                          ready_microsteps=draw(st.integers(0, 4)), queued_at_apply=draw(st.integers(0, 40)),

@@ -104,10 +104,9 @@ bench: venv litellm
 	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
-	$(BIN)/python -m bench.elastic --scale 2
-	$(BIN)/python -m bench.elastic --scale 2 --release run --async-splits '' --runs-dir runs/bench-elastic-run
-	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic-run/result.json
-	$(BIN)/python -m bench.simulate --calibrate runs/bench-elastic/result.json
+	$(BIN)/python -m bench.elastic --runs-dir runs/bench-elastic
+	$(BIN)/python -m bench.elastic --workload drift --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-drift
+	$(BIN)/python -m bench.simulate --drift --fit runs/bench-elastic/result.json --calibrate runs/bench-elastic-drift/result.json
 
 # The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in its own venv, on a GPU node.
 gpu-env:

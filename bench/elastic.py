@@ -1,16 +1,25 @@
 """Elastic vs async vs colocate on the real embedded system: time to the same number of steps.
 
-    .venv/bin/python -m bench.elastic [--quick | --cpu-bound] [--steps N] [--policies elastic,async,colocate]
-                                      [--release group|run] [--scale K] [--set KEY=VALUE ...]
-                                      [--out runs/bench-elastic/result.json] [--root DIR]
+    .venv/bin/python -m bench.elastic [--workload stationary|drift] [--quick | --cpu-bound] [--steps N]
+                                      [--policies elastic,async,colocate] [--async-splits 2,3]
+                                      [--[no-]colocate-sync] [--fit RESULT.json] [--release group|run]
+                                      [--scale K] [--set KEY=VALUE ...] [--out FILE] [--root DIR]
 
 Each policy runs once, in turn, as a real ``gyre`` (``python -m controller.main`` with Hydra
 overrides, from ``--root``, this checkout by default): the same workload, the same 4 cells, the
-same staleness bound (``scheduler.staleness``, the default 1, for all three). The workload is the
-bundled one with long-tailed harness durations (``workload.think_time``: log-normal think time
-after each call, a function of the execution id, so every policy sees the same runs) and a model
-large enough that training a step costs about as much as the rollout tail
-(``BENCH_OVERRIDES``; the reasons are in the overrides' comments).
+same staleness bound (``scheduler.staleness``, the default 1). Async runs once per split (1
+training cell, the conf's default, then ``--async-splits``) and colocate twice: as configured and
+synchronous (``scheduler.staleness=0``: the next step's runs start when the cells serve again, so
+none is stranded while every cell trains). The headline is what a user would compare:
+``elastic_vs_best_async`` (the best split in hindsight) and ``elastic_vs_colocate`` (the better
+colocate); ``elastic_vs_async`` (one training cell) and each run's ratio stay as details.
+
+The workload is the bundled one with long-tailed harness durations (``workload.think_time``:
+log-normal think time after each call, a function of the execution id, so every policy sees the
+same runs) and a model large enough that training a step costs about as much as the rollout tail
+(``BENCH_OVERRIDES``; the reasons are in the overrides' comments). ``--workload drift`` makes the
+runs change as training goes (``DRIFT_OVERRIDES``, ``workloads/drift.py``): turns and think time
+grow 4x from the first step to the last, and the task mix turns tool-heavy halfway.
 
 Measured per run, from ``runs/<id>/``: ``train_s`` = time from the controller's first tick to the
 last step's update (``metrics.jsonl``: ``progress`` and ``step`` events; process start-up is left
@@ -18,6 +27,8 @@ out), cells' switches and phases (``summary.json``), call latencies and the weig
 call (the processor's log of CallRecords: the staleness bound is checked on the real calls), and
 microstep and weight-load times where the controller logs them (``microstep`` and
 ``weights_loaded`` events). The result file keeps everything ``bench.simulate --calibrate`` needs.
+``calibration_error`` is the simulator's prediction of this run from *another* run's costs
+(``--fit``; by default with ``--workload drift``, ``bench/results/elastic-stationary.json``).
 
 Ratios are ``train_s(other) / train_s(elastic)``: above 1, elastic reached the last step sooner.
 One run per policy on a shared 2-core machine: expect +-10-20% between repeats.
@@ -139,18 +150,23 @@ def run_policy(policy: str, *, root: Path, runs_dir: Path, steps: int, overrides
     t0 = time.monotonic()
     with open(log_path, "wb") as out:
         proc = subprocess.run(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
-    text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
+        text = log_path.read_text(errors="replace")
         raise BenchError(f"{policy}: gyre exited {proc.returncode}; see {log_path}:\n{text[-2000:]}")
-    marker = "report in "
-    line = next((ln for ln in text.splitlines() if marker in ln), "")
-    if not line:
-        raise BenchError(f"{policy}: no 'report in' line in {log_path}")
-    run_dir = Path(line.split(marker, 1)[1].strip()).parent
-    if not run_dir.is_absolute():
-        run_dir = root / run_dir
+    run_dir = run_dir_of(log_path, root)
     print(f"{label}: done in {time.monotonic() - t0:.0f}s -> {run_dir}", file=sys.stderr, flush=True)
     return run_dir
+
+
+def run_dir_of(log_path: Path, root: Path) -> Path:
+    """The run folder a bench run's log names (its ``report in <dir>/report...`` line)."""
+    marker = "report in "
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    line = next((ln for ln in text.splitlines() if marker in ln), "")
+    if not line:
+        raise BenchError(f"no 'report in' line in {log_path}")
+    run_dir = Path(line.split(marker, 1)[1].strip()).parent
+    return run_dir if run_dir.is_absolute() else root / run_dir
 
 
 def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -238,11 +254,39 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "pull_s": [e["phases_s"]["pull"] for e in switches if "pull" in e.get("phases_s", {})],
         "apply_s": [e["apply_s"] for e in ev["step"] if "apply_s" in e],
         "microstep_s": [e["fb_s"] for e in ev.get("microstep", [])],
+        "microstep_tokens": [e.get("num_tokens", 0) for e in ev.get("microstep", [])],
         "microsteps": len(ev.get("microstep", [])),
+        # what the workload made each step (the same runs for every policy; cut runs make fewer)
+        "microsteps_by_step": per_step(ev.get("microstep", []), steps, lambda e: 1),
+        "tokens_by_step": per_step(ev.get("microstep", []), steps, lambda e: e.get("num_tokens", 0)),
         "load_s": [e["load_s"] for e in ev.get("weights_loaded", [])],
         "shard_latency_s": [e["shard_latency_s"] for e in ev.get("group", []) if e.get("shard_latency_s") is not None],
         "run_overhead_s": run_overheads(ev.get("execution", []), calls, think),
     }
+
+
+def per_step(events: list[dict[str, Any]], steps: int, value: Any) -> list[float]:
+    out = [0.0] * steps
+    for e in events:
+        if isinstance(e.get("step"), int) and 0 <= e["step"] < steps:
+            out[e["step"]] += value(e)
+    return out
+
+
+def microstep_fit(tokens: list[float], seconds: list[float]) -> dict[str, float] | None:
+    """Least squares ``seconds = s + s_per_token * tokens`` over every microstep measured (the
+    slowest 1% left out: a cell's first microstep also warms it up), so a run whose shards hold
+    other token counts can be predicted."""
+    pairs = sorted(zip(seconds, tokens))[: max(2, int(len(seconds) * 0.99))]
+    if len(pairs) < 2:
+        return None
+    ys, xs = [p[0] for p in pairs], [p[1] for p in pairs]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return {"s": my - b * mx, "s_per_token": b, "microsteps": len(pairs)}
 
 
 def think_seconds(logs: list[Path]) -> dict[str, float]:
@@ -316,6 +360,12 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "weight_transfer_s": pooled(results, "load_s") or pooled(results, "pull_s"),
         "apply_s": pooled(results, "apply_s"), "microstep_s": pooled(results, "microstep_s"),
         "microsteps_per_step": median(microsteps_per_step),
+        "microstep_fit": microstep_fit([t for r in results.values() for t in r["microstep_tokens"]],
+                                       [v for r in results.values() for v in r["microstep_s"]]),
+        # per step, the median over the runs: the workload's shards and tokens as training moved it
+        "microsteps_by_step": [median([r["microsteps_by_step"][s] for r in results.values()])
+                               for s in range(config["steps"])],
+        "tokens_by_step": [median([r["tokens_by_step"][s] for r in results.values()]) for s in range(config["steps"])],
         # turns per run, averaged over the steps (workload.drift changes them): shards scale with them
         "mean_turns": mean_turns(config),
         "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
@@ -327,8 +377,7 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "harness_start_s": launch_s, "grade_s": pooled(results, "shard_latency_s"),
     }
     per_policy = {
-        k: {kk: vv for kk, vv in r.items() if kk not in ("call_s", "first_call_s", "to_train_s", "to_serve_s", "pull_s", "apply_s",
-                                                         "microstep_s", "load_s", "shard_latency_s", "run_overhead_s")}
+        k: {kk: vv for kk, vv in r.items() if kk not in (*PER_CALL_KEYS, "microstep_s")}
         for k, r in results.items()
     }
     return {
@@ -344,6 +393,21 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "think_time_applied": all(r["think_time_applied"] for r in results.values()),
         "policies": per_policy, "calibration": calibration, "config": config, **run_info(),
     }
+
+
+PER_CALL_KEYS = ("call_s", "first_call_s", "to_train_s", "to_serve_s", "pull_s", "apply_s", "load_s",
+                 "shard_latency_s", "run_overhead_s", "microstep_tokens")
+
+
+def compact_raw(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each run's figures for the result file: the per-call and per-event lists are summed up in
+    ``calibration`` already, so they stay in the run folders; microsteps keep their mean."""
+    out = {}
+    for label, r in results.items():
+        kept = {k: v for k, v in r.items() if k not in PER_CALL_KEYS and k != "microstep_s"}
+        kept["microstep_s_mean"] = statistics.mean(r["microstep_s"]) if r.get("microstep_s") else None
+        out[label] = kept
+    return out
 
 
 def mean_turns(config: dict[str, Any]) -> float:
@@ -397,6 +461,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more Hydra override for every policy (repeatable), e.g. workload.harness_nice=19")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to run gyre from")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="run nothing: measure the runs an earlier bench left in --runs-dir (same options)")
     ap.add_argument("--runs-dir", type=Path, default=None, help="default: <root>/runs/bench-elastic")
     ap.add_argument("--out", type=Path, default=None, help="result file; default <runs-dir>/result.json")
     args = ap.parse_args(argv)
@@ -416,23 +482,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = (*overrides, *args.set)
     runs_dir = (args.runs_dir or args.root / "runs" / "bench-elastic").resolve()
     staleness = 1  # conf/scheduler/*.yaml: the same bound for all three policies
-    results = {}
-    for policy in policies:
-        run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, overrides=overrides,
-                             timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale))
-        results[policy] = measure(policy, run_dir, steps=steps, staleness=staleness)
+    # (label, policy, extra overrides, staleness): every run of the bench, in order
+    plan = [(p, p, (), staleness) for p in policies]
     splits = [int(k) for k in args.async_splits.split(",") if k] if "async" in policies and not args.quick else []
-    for k in splits:
-        label = f"async-{k}"
-        run_dir = run_policy("async", root=args.root, runs_dir=runs_dir, steps=steps, label=label,
-                             timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale),
-                             overrides=(*overrides, f"scheduler.train_cells={k}"))
-        results[label] = measure("async", run_dir, steps=steps, staleness=staleness)
+    plan += [(f"async-{k}", "async", (f"scheduler.train_cells={k}",), staleness) for k in splits]
     if "colocate" in policies and args.colocate_sync and not args.quick:
-        run_dir = run_policy("colocate", root=args.root, runs_dir=runs_dir, steps=steps, label="colocate-sync",
-                             timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale),
-                             overrides=(*overrides, "scheduler.staleness=0"))
-        results["colocate-sync"] = measure("colocate", run_dir, steps=steps, staleness=0)
+        plan.append(("colocate-sync", "colocate", ("scheduler.staleness=0",), 0))
+    results = {}
+    for label, policy, extra, bound in plan:
+        if args.remeasure:
+            run_dir = run_dir_of(runs_dir / f"bench-{label}.log", args.root)
+        else:
+            run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, label=label,
+                                 timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale), overrides=(*overrides, *extra))
+        results[label] = measure(policy, run_dir, steps=steps, staleness=bound)
     if not args.quick and not all(r["think_time_applied"] for r in results.values()):
         raise BenchError("the harness ran without think time: controller/executions.py must pass "
                          "workload.think_time to workloads.harness (--think-* arguments)")
@@ -442,14 +505,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = summarise(results, config=config, launch_s=harness_start_s(args.root))
     out_path = args.out or runs_dir / "result.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({**out, "raw": results}, indent=1))
+    out_path.write_text(json.dumps({**out, "raw": compact_raw(results)}, indent=1))
     # Out of sample: the simulator, given the costs another run measured, predicts this one.
     from bench.simulate import FIT_RESULT, calibrate
     fit = args.fit or (FIT_RESULT if args.workload == "drift" else None)
     cal = calibrate(out_path, fit) if fit is not None else {
         "error": None, "reason": "no --fit result file: an out-of-sample prediction needs another run's costs"}
     out |= {"calibration_error": cal["error"], "prediction": cal}
-    out_path.write_text(json.dumps({**out, "raw": results}, indent=1))
+    out_path.write_text(json.dumps({**out, "raw": compact_raw(results)}, indent=1))
     print_table(results)
     print(f"result file: {out_path}", file=sys.stderr)
     print(json.dumps(out, sort_keys=True), flush=True)

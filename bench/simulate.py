@@ -1,26 +1,42 @@
 """The simulator's table (workload x policy, hours) and its calibration against the embedded system.
 
-    .venv/bin/python -m bench.simulate [--quick] [--traces bench/traces] [--calibrate RESULT.json]
+    .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
+                                       [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
-staleness bound for all three): hours to the trace's last step, elastic's ratio against async and
-colocate, and the share of runs cut at the timeout (a policy that stalls running work while every
+staleness bound for all three): hours to the trace's last step. The headline ratios are those a
+user would compare: elastic against **the best fixed async split in hindsight** (every split of
+1..N-1 training cells is simulated) and against **the better colocate** (as configured, at the
+trace's staleness, and synchronous, staleness 0: the next step's runs start only when the cells
+serve again, so none waits out a training phase), and elastic over the bound (below). Async with
+the trace's own split (one training cell) and colocate at staleness 1 are details. The share of
+runs cut at the timeout is printed beside them (a policy that stalls running work while every
 cell trains lets more runs hit the timeout: it trains on shorter runs). The reference's hours are
 printed beside the trace that carries them.
 
-Calibration: ``--calibrate`` takes a ``bench.elastic`` result file. The simulator is given that
-run's setup (4 cells, capacity, workload, staleness, and the think time of every execution, from
-the same function the harness used) and its measured costs (median switch times, weight loads,
-microstep and apply times, call latency, each run's own overhead drawn from its measured spread,
-the shard latency), simulates each policy, and ``calibration_error`` is the larger of
-|predicted ratio - measured ratio| / measured over ``elastic_vs_async`` and
-``elastic_vs_colocate``. Without a result file it is null, with the reason. ``error_own`` is the
-same with each policy's microsteps at the mean its own run measured (``own_microstep_s``): the
+``--drift``: the headline keys (``p2_4t_vs_best_async``, ``p2_4t_vs_colocate``,
+``p2_4t_vs_bound``) come from ``p2_4t_drift``, the 2.4T-like setup whose runs and tokens grow 4x
+over the steps and whose task mix turns tool-heavy halfway (``bench/traces/generate.py``), and the
+calibration is out of sample (below).
+
+Calibration: ``--calibrate`` takes a ``bench.elastic`` result file and predicts its run: the
+simulator is given that run's setup (4 cells, capacity, workload with its drift, staleness, and
+the think time of every execution, from the same function the harness used) and measured costs
+(median switch times, weight loads, microstep and apply times, call latency, each run's own
+overhead drawn from its measured spread, the shard latency), simulates every policy the run
+measured (each async split, both colocates), and ``calibration_error`` is the larger of
+|predicted ratio - measured ratio| / measured over ``elastic_vs_best_async`` and
+``elastic_vs_colocate``. With ``--fit`` the costs come from *another* run (out of sample: a
+stationary run predicting a drifting one, its shards per group scaled by turns); without, from
+the run itself (in sample: that shows consistency, not prediction). ``--drift`` defaults to
+``bench/results/elastic-stationary.json`` predicting ``bench/results/elastic-drift.json``.
+Without a result file the error is null, with the reason. In sample, ``error_own`` is the same
+with each policy's microsteps at the mean its own run measured (``own_microstep_s``): the
 simulator has no CPU contention, and on a machine whose cores the cells share with the rollouts
-a cell that trains while others serve pays for it; the gap between the two errors says how much. No value is ever
-filled in that was not measured; ``assumed`` lists those that are not (the gradient push, and
-for older result files the shard latency).
+a cell that trains while others serve pays for it. No value is ever filled in that was not
+measured; ``assumed`` lists those that are not (the gradient push, the shards' scaling with
+turns, and for older result files the shard latency).
 
 Bound (``bound_h`` per row, ``p2_4t_ceiling_vs_*``): ``controller.bounds.makespan_bound``, the
 shortest time *any* policy could take on the same runs (switches, transfers and serving capacity
@@ -38,8 +54,7 @@ of the two bounds.
 
 Release: the calibration simulates the run's own ``algo.release`` (``group``: a group's microsteps
 come when it closes; ``run``: each run's as it is graded, the embedded trainer's run release).
-``what_if_run_release`` runs the 2.4T-like trace (and a group-release calibration) with
-``release="run"`` as well: a what-if there, never in the headline figures, because Megatron does
+``what_if_run_release`` runs the 2.4T-like trace with ``release="run"`` as well: a what-if there, never in the headline figures, because Megatron does
 not keep the per-execution gradients run release needs (``cellrunner/run_release.py``).
 """
 
@@ -120,6 +135,9 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
             "colocate_sync_h": sync.makespan_h, "vs_colocate_sync": sync.makespan_s / e,
             "vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / e,
             "vs_bound": e / elastic_bound,
+            # the most any policy could gain over the best split and the better colocate here
+            "ceiling_vs_best_async": min(splits.values()) * e / bound,
+            "ceiling_vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / bound,
             "timed_out_share": {k: r.num_timed_out / max(1, r.num_executions) for k, r in res.items()},
             "switches": {k: sum(r.switches) for k, r in res.items()},
             "max_staleness": {k: r.max_staleness for k, r in res.items()},
@@ -128,9 +146,27 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+def by_staleness(trace_dir: Path, name: str, *, quick: bool, seed: int, bounds: tuple[int, ...] = (1, 2, 3)) -> dict[str, Any]:
+    """``name`` at other staleness bounds (the same for every policy): elastic against the best
+    fixed split and colocate, and over the bound. A looser bound lets steps overlap more, so the
+    cells' split matters more and the step chain less (elastic's lookahead is for this)."""
+    base = load_trace(trace_dir / f"{name}.json")
+    if quick:
+        base = dataclasses.replace(base, workload=dataclasses.replace(base.workload, steps=QUICK_STEPS))
+    out = {}
+    for k in bounds:
+        trace = dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=k))
+        e = simulate(trace, "elastic", seed=seed).makespan_s
+        best = min(simulate(dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, async_train_cells=n)),
+                            "async", seed=seed).makespan_s for n in range(1, trace.cells.num_cells))
+        out[str(k)] = {"vs_best_async": best / e, "vs_colocate": simulate(trace, "colocate", seed=seed).makespan_s / e,
+                       "vs_bound": e / makespan_bound(trace, pool_source(trace, seed))}
+    return out
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| workload | nodes | elastic h | async h | colocate h | vs best Async split | vs better Colocate (sync) "
-          "| vs bound | vs Async (1 cell trains) | vs Colocate (staleness 1) "
+          "| vs bound (ceilings vs best split / colocate) | vs Async (1 cell trains) | vs Colocate (staleness 1) "
           "| timed out e/a/c | model time cut e/a/c | bound h (ceilings) | stall-free bound h (elastic's ceilings) "
           "| reference |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -141,7 +177,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['trace']} | {r['nodes']} | {h['elastic']:.2f} | {h['async']:.2f} | {h['colocate']:.2f} | "
               f"{r['vs_best_async']:.2f}x ({min(r['vs_async_splits'], key=r['vs_async_splits'].get)} of "
               f"{r['cells']} cells train) | {r['vs_best_colocate']:.2f}x ({r['vs_colocate_sync']:.2f}x) | "
-              f"{r['vs_bound']:.2f}x | {r['vs_async']:.2f}x | {r['vs_colocate']:.2f}x | "
+              f"{r['vs_bound']:.2f}x (ceilings {r['ceiling_vs_best_async']:.2f}x / {r['ceiling_vs_best_colocate']:.2f}x) | "
+              f"{r['vs_async']:.2f}x | {r['vs_colocate']:.2f}x | "
               f"{to['elastic']:.0%} / {to['async']:.0%} / {to['colocate']:.0%} | "
               f"{cut['elastic']:.0%} / {cut['async']:.0%} / {cut['colocate']:.0%} | "
               f"{r['bound_h']:.2f} ({r['ceiling_vs_async']:.2f}x / {r['ceiling_vs_colocate']:.2f}x) | "
@@ -193,10 +230,11 @@ def embedded_setup(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = None) -> tuple[Trace, RunSource, list[str]]:
-    """The bench.elastic setup of ``result`` as a trace; the runs replay the harness's own think
-    times and ``workload.drift``'s shapes. ``costs`` (another run's ``calibration``, for an
-    out-of-sample prediction) replaces the run's own measured costs; its shards per group are
-    scaled by turns (a run's tokens grow with its turns)."""
+    """The bench.elastic setup of ``result`` as a trace. Its workload is replayed: the harness's
+    own think times and ``workload.drift``'s shapes, and the shards and tokens each step made
+    (``step_training``). ``costs`` (another run's ``calibration``, for an out-of-sample
+    prediction) replaces the run's own measured costs: switches, transfers, calls, run overheads,
+    seconds per microstep and per token."""
     cfg = embedded_setup(result)
     cal = costs if costs is not None else result["calibration"]
     wl, sch, cl = cfg["workload"], cfg["scheduler"], cfg["cluster"]
@@ -205,10 +243,6 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
     if missing:
         raise CalibrationError(f"not measured in the result file: {missing} (microstep times need the "
                                "controller's 'microstep' metrics events)")
-    # Shards per group per turn, where the costs were measured (their run's turns: a drifting run's
-    # mean over its steps).
-    fit_turns = cal.get("mean_turns") or wl["max_turns"]
-    per_turn = cal["microsteps_per_step"] / wl["groups_per_step"] / fit_turns
     workload = build(WorkloadConfig, wl)
     steps = result["config"]["steps"]
     # With emulated accelerators (trainer.device_s_per_token) a microstep mostly sleeps, so cells
@@ -221,15 +255,15 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
         grad_transfer_s=GRAD_TRANSFER_S_ASSUMED, microstep_s=cal["microstep_s"], apply_s=cal["apply_s"],
         compute_slots=max(cpus, cl["num_cells"]) if paced else cpus, reroute_s=0.0,
     )
-    per_step = [max(1, round(per_turn * run_shape(workload, s).max_turns)) for s in range(steps)]
+    per_step, assumed_shards = step_training(result["calibration"], cal, workload, steps, wl["groups_per_step"])
     shape = WorkloadShape(
         steps=steps, groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
-        timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_step[0],
+        timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_step[0][0],
         launch_s=0.0 if cal.get("run_overhead_s_quantiles") else cal["launch_s"],
         grade_s=cal.get("grade_s") or GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
     )
-    phases = tuple(Phase(name=f"step{s}", first_step=s, runs=(0, 1), microsteps_per_group=n)
-                   for s, n in enumerate(per_step) if s == 0 or n != per_step[s - 1])
+    phases = tuple(Phase(name=f"step{s}", first_step=s, runs=(0, 1), microsteps_per_group=n, microstep_s=t)
+                   for s, (n, t) in enumerate(per_step) if s == 0 or (n, t) != per_step[s - 1])
     trace = Trace(name="embedded", description="bench.elastic's setup, measured costs", generator="bench.simulate",
                   cells=cells, workload=shape, reference_h=None, phases=phases, executions=((0.0, 0.0),))
     think, call_s = wl["think_time"], cal["call_s_p25"]
@@ -252,9 +286,28 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
         return tuple(out)
 
     assumed = [f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"] + ([] if cal.get("grade_s") else [f"grade_s={GRADE_S_ASSUMED}"])
-    if costs is not None:
-        assumed.append("shards per group in proportion to turns")
-    return trace, runs, assumed
+    return trace, runs, assumed + assumed_shards
+
+
+def step_training(workload_cal: dict[str, Any], cost_cal: dict[str, Any], workload: WorkloadConfig, steps: int,
+                  groups: int) -> tuple[list[tuple[int, float]], list[str]]:
+    """Per step: (shards per group, seconds per microstep). The shards and tokens each step made
+    are the workload's (``workload_cal``: the run predicted, like its think times); the seconds
+    they cost come from ``cost_cal`` (``microstep_fit``: seconds = s + s_per_token x tokens), so
+    a run whose shards grow is predicted from one whose shards did not. Result files without the
+    per-step figures scale the cost run's shards by turns instead (said in ``assumed``)."""
+    by_step, tokens, fit = workload_cal.get("microsteps_by_step"), workload_cal.get("tokens_by_step"), cost_cal.get("microstep_fit")
+    if by_step and tokens and len(by_step) == len(tokens) == steps:
+        out = []
+        for n, t in zip(by_step, tokens):
+            seconds = n * fit["s"] + fit["s_per_token"] * t if fit else n * cost_cal["microstep_s"]
+            per_group = max(1, round(n / groups))
+            out.append((per_group, max(1e-3, seconds / (per_group * groups))))
+        return out, ([] if fit else ["microstep seconds independent of tokens"])
+    fit_turns = cost_cal.get("mean_turns") or workload.max_turns
+    per_turn = cost_cal["microsteps_per_step"] / groups / fit_turns
+    return ([(max(1, round(per_turn * run_shape(workload, s).max_turns)), cost_cal["microstep_s"]) for s in range(steps)],
+            ["shards per group in proportion to turns"])
 
 
 def draw(quantiles: list[float], key: str) -> float:
@@ -343,10 +396,14 @@ def _fmt(d: dict[str, float]) -> str:
 def own_microstep_costs(result: dict[str, Any]) -> dict[str, float] | None:
     """Each policy's mean microstep seconds in its own run (``raw`` of the result file), if all have them."""
     raw = result.get("raw") or {}
-    costs = {k: raw[k]["microstep_s"] for k in POLICIES if k in raw and raw[k].get("microstep_s")}
-    if len(costs) < len(POLICIES):
-        return None
-    return {k: sum(v) / len(v) for k, v in costs.items()}
+    costs = {}
+    for k in POLICIES:
+        run = raw.get(k) or {}
+        if run.get("microstep_s_mean"):
+            costs[k] = run["microstep_s_mean"]
+        elif run.get("microstep_s"):  # result files before compact_raw kept the list
+            costs[k] = sum(run["microstep_s"]) / len(run["microstep_s"])
+    return costs if len(costs) == len(POLICIES) else None
 
 
 def _with_microstep(trace: Trace, microstep_s: float) -> Trace:
@@ -422,6 +479,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p24 = next((r for r in rows if r["trace"] == name), None)
     if args.drift and p24 is None:
         ap.error(f"--drift: no {name}.json in {args.traces} (python -m bench.traces.generate writes it)")
+    sweep = by_staleness(args.traces, name, quick=args.quick, seed=args.seed) if p24 else None
+    if sweep:
+        print(f"{name} by staleness bound (elastic vs best split / vs colocate, over the bound): " + "; ".join(
+            f"{k}: {v['vs_best_async']:.3f}x / {v['vs_colocate']:.3f}x, {v['vs_bound']:.3f}x" for k, v in sweep.items()))
     out = {
         "trace": name,
         # the headline: the best fixed async split in hindsight, the better colocate, the bound
@@ -431,11 +492,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # details: the trace's own async split (one training cell), colocate at staleness 1
         "p2_4t_vs_async": p24["vs_async"] if p24 else None,
         "p2_4t_vs_colocate_staleness_1": p24["vs_colocate"] if p24 else None,
+        "p2_4t_ceiling_vs_best_async": p24["ceiling_vs_best_async"] if p24 else None,
+        "p2_4t_ceiling_vs_best_colocate": p24["ceiling_vs_best_colocate"] if p24 else None,
         "p2_4t_ceiling_vs_async": p24["ceiling_vs_async"] if p24 else None,
         "p2_4t_ceiling_vs_colocate": p24["ceiling_vs_colocate"] if p24 else None,
         "calibration_error": cal["error"], "calibration_in_sample": cal.get("in_sample"),
         "calibration_error_own_microsteps": cal.get("error_own"),
-        "calibration": cal, "table": rows, "what_if_run_release": what_if,
+        "calibration": cal, "table": rows, "what_if_run_release": what_if, "by_staleness": sweep,
         "config": {"traces": str(args.traces), "quick": args.quick, "seed": args.seed, "drift": args.drift,
                    "sim_wall_s": round(time.monotonic() - t0, 2)},
         "host": {"machine": platform.machine(), "system": f"{platform.system()} {platform.release()}",

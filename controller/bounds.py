@@ -54,7 +54,8 @@ def makespan_bound(trace: Trace, runs: RunSource, *, release: Release = "group")
                             for i in range(wl.group_size))
             arrivals += _group_arrivals(graded, trace.microsteps_of_step(step), release)
         previous = applied[-1] if applied else 0.0
-        applied.append(_train_end(arrivals, previous, cc.num_cells, cc.compute_slots, cc.microstep_s) + cc.apply_s)
+        applied.append(_train_end(arrivals, previous, cc.num_cells, cc.compute_slots, trace.microstep_s_of_step(step))
+                       + cc.apply_s)
     return applied[-1]
 
 
@@ -65,8 +66,9 @@ def serving_bound(trace: Trace, runs: RunSource) -> float:
     wl, cc = trace.workload, trace.cells
     held = sum(min(wl.launch_s + sum(runs(f"s{step}-g{g}-e{i}", step)), wl.timeout_s)
                for step in range(wl.steps) for g in range(wl.groups_per_step) for i in range(wl.group_size))
-    microsteps = sum(wl.groups_per_step * trace.microsteps_of_step(step) for step in range(wl.steps))
-    return (held / cc.capacity_per_cell + microsteps * cc.microstep_s) / cc.num_cells
+    training = sum(wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
+                   for step in range(wl.steps))
+    return (held / cc.capacity_per_cell + training) / cc.num_cells
 
 
 def _group_arrivals(graded: list[float], microsteps: int, release: Release) -> list[tuple[float, int]]:

@@ -354,6 +354,7 @@ class Simulation:
                                  phase=c.phase, is_core=c.is_core, busy=c.cell_id in busy, num_running=c.bound,
                                  trained_s=c.trained_s) for c in self.cells),
             queued=len(self.queue), running=self.num_running,
+            queued_ahead=sum(1 for ex in self.queue if st is not None and ex.step > st.step + 1),
             rollouts_pending=self.planned < self.wl.steps,
             train_demand=self.steps.train_demand(),
             step_rollouts_done=st is not None and st.rollouts_done,
@@ -394,7 +395,7 @@ class Simulation:
         free = [c.cell_id for c in self.cells if c.phase == "training" and not c.loading and not c.sending
                 and c.version == self.steps.version and c.cell_id not in running]
         for cell_id, _msg in self.steps.assign(sorted(free, key=lambda i: (i != 0, i))):
-            self.cells[cell_id].microstep_end = self.tclock + self.cc.microstep_s
+            self.cells[cell_id].microstep_end = self.tclock + self.trace.microstep_s_of_step(st.step)
             self.dirty = True
         for cell_id, msg in self.steps.finish(core_training=self.core.phase == "training"):
             if msg.TAG == "send_grads":

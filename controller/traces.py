@@ -7,7 +7,8 @@ trace, with the staleness bound the trace names, so comparisons are matched.
     {"format": "gyre-trace/1", "name": ..., "description": ..., "generator": ...,
      "cells": {...CellCosts...}, "workload": {...WorkloadShape...},
      "reference_h": {"elastic": h, "async": h, "colocate": h} | null,
-     "phases": [{"name": str, "first_step": int, "runs": [lo, hi], "microsteps_per_group": int?}, ...],
+     "phases": [{"name": str, "first_step": int, "runs": [lo, hi],
+                 "microsteps_per_group": int?, "microstep_s": float?}, ...],
      "executions": [[call_s, think_s, call_s, think_s, ...], ...]}
 
 ``executions`` is a pool of harness runs. Each run alternates *call* segments (model time: it
@@ -104,6 +105,8 @@ class Phase:
     microsteps_per_group: int = 0
     """Shards of one group in this phase's steps (runs with more tokens make more); 0: the
     workload's ``microsteps_per_group``."""
+    microstep_s: float = 0.0
+    """One microstep of this phase's steps (shards with more tokens take longer); 0: the cells'."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +145,9 @@ class Trace:
 
     def microsteps_of_step(self, step: int) -> int:
         return self.phase_of_step(step).microsteps_per_group or self.workload.microsteps_per_group
+
+    def microstep_s_of_step(self, step: int) -> float:
+        return self.phase_of_step(step).microstep_s or self.cells.microstep_s
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -187,6 +193,7 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
         "reference_h": trace.reference_h,
         "phases": [{"name": ph.name, "first_step": ph.first_step, "runs": list(ph.runs)}
                    | ({"microsteps_per_group": ph.microsteps_per_group} if ph.microsteps_per_group else {})
+                   | ({"microstep_s": ph.microstep_s} if ph.microstep_s else {})
                    for ph in trace.phases],
         "executions": [list(run) for run in trace.executions],
     }
@@ -244,9 +251,11 @@ def _phases(raw: Any) -> tuple[Phase, ...]:
         raise TraceError("phases: want a list of 1..1000 phases")
     out = []
     for i, item in enumerate(raw):
-        keys = {"name", "first_step", "runs"} | ({"microsteps_per_group"} if isinstance(item, dict)
-                                                 and "microsteps_per_group" in item else set())
-        obj = _mapping(item, f"phases[{i}]", keys)
+        optional = {"microsteps_per_group", "microstep_s"} & (set(item) if isinstance(item, dict) else set())
+        obj = _mapping(item, f"phases[{i}]", {"name", "first_step", "runs"} | optional)
+        microstep_s = obj.get("microstep_s", 0.0)
+        if not _number(microstep_s) or microstep_s < 0:
+            raise TraceError(f"phases[{i}].microstep_s: want seconds >= 0 (0 or absent: the cells')")
         runs = obj["runs"]
         per_group = obj.get("microsteps_per_group", 0)
         if type(per_group) is not int or per_group < 0:
@@ -258,7 +267,7 @@ def _phases(raw: Any) -> tuple[Phase, ...]:
         if not (isinstance(runs, list) and len(runs) == 2 and all(type(v) is int for v in runs)):
             raise TraceError(f"phases[{i}].runs: want [lo, hi] integers")
         out.append(Phase(name=obj["name"], first_step=obj["first_step"], runs=(runs[0], runs[1]),
-                         microsteps_per_group=per_group))
+                         microsteps_per_group=per_group, microstep_s=float(microstep_s)))
     return tuple(out)
 
 

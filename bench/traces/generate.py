@@ -64,6 +64,7 @@ class Spec:
     workload: WorkloadShape
     phases: tuple[PhaseShape, ...]
     reference_h: dict[str, float] | None = None
+    runs_per_phase: int = RUNS_PER_PHASE
 
 
 MIN = 60.0
@@ -127,6 +128,7 @@ SPECS: tuple[Spec, ...] = (
                     "step to the last (median 0.4 h to 1.6 h, 4 to 16 turns, 2 to 8 shards a group, more at the "
                     "timeout), the task mix turns tool-heavy halfway",
         cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD, phases=drift_phases(steps=P2_4T_WORKLOAD.steps),
+        runs_per_phase=RUNS_PER_PHASE // DRIFT_PHASES * 2,  # a phase's 6 steps draw 768 runs from its 96
     ),
     Spec(
         name="nl2repo_122b",
@@ -185,7 +187,7 @@ def make_trace(spec: Spec, seed: int) -> Trace:
     phases = []
     for ph in spec.phases:
         lo = len(pool)
-        pool += [tuple(draw_run(rng, ph.runs, spec.workload.timeout_s)) for _ in range(RUNS_PER_PHASE)]
+        pool += [tuple(draw_run(rng, ph.runs, spec.workload.timeout_s)) for _ in range(spec.runs_per_phase)]
         phases.append(Phase(name=ph.name, first_step=ph.first_step, runs=(lo, len(pool)),
                             microsteps_per_group=ph.microsteps_per_group))
     shapes = "; ".join(f"{ph.name} from step {ph.first_step}: {ph.runs}" for ph in spec.phases)

@@ -31,8 +31,8 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
     assert finite(out["p2_4t_vs_async"]) and finite(out["p2_4t_vs_colocate"])
     # Never invented: no result file, no calibration error, and the reason says so.
     assert out["calibration_error"] is None and "no bench.elastic result file" in out["calibration"]["reason"]
-    assert {r["trace"] for r in out["table"]} == {"p2_4t", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b",
-                                                  "terminalbench_122b"}
+    assert {r["trace"] for r in out["table"]} == {"p2_4t", "p2_4t_drift", "nl2repo_122b", "nl2repo_timeout_122b",
+                                                  "deepswe_122b", "terminalbench_122b"}
     for row in out["table"]:
         assert set(row["hours"]) == {"elastic", "async", "colocate"} and all(finite(h) for h in row["hours"].values())
         assert all(v <= 1 for v in row["max_staleness"].values())  # every trace has staleness 1
@@ -40,6 +40,9 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
         assert set(row["vs_async_splits"]) == {str(k) for k in range(1, row["cells"])}
         assert row["vs_async_splits"][str(row["async_train_cells"])] == row["vs_async"]
         assert row["vs_best_async"] == min(row["vs_async_splits"].values())
+        # the better colocate counts: synchronous (staleness 0) or as configured
+        assert row["vs_best_colocate"] == min(row["vs_colocate"], row["vs_colocate_sync"])
+        assert row["vs_bound"] >= 1 - 1e-9 and row["vs_best_async"] <= row["ceiling_vs_best_async"] + 1e-9
         # the bound: no policy run beats it, so no ratio exceeds its ceiling
         assert all(h >= row["bound_h"] - 1e-9 for h in row["hours"].values())
         assert row["vs_async"] <= row["ceiling_vs_async"] and row["vs_colocate"] <= row["ceiling_vs_colocate"]
@@ -51,6 +54,27 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
     assert out["p2_4t_ceiling_vs_colocate"] == out["table"][0]["ceiling_vs_colocate"]
     run = out["what_if_run_release"]
     assert run["p2_4t_vs_colocate"] <= run["ceiling_vs_colocate"] and run["bound_h"] <= min(run["hours"].values())
+
+
+def test_simulate_drift_predicts_a_drifting_run_from_a_stationary_one(capsys: pytest.CaptureFixture[str]):
+    # The done-when command, on the committed result files of two real bench.elastic runs.
+    out = last_json(capsys, simulate.main, ["--quick", "--drift"])
+    assert out["trace"] == "p2_4t_drift"
+    drift = next(r for r in out["table"] if r["trace"] == "p2_4t_drift")
+    assert out["p2_4t_vs_best_async"] == drift["vs_best_async"] and out["p2_4t_vs_colocate"] == drift["vs_best_colocate"]
+    assert out["p2_4t_vs_bound"] == drift["vs_bound"] and finite(out["p2_4t_ceiling_vs_best_async"])
+    cal = out["calibration"]
+    assert out["calibration_in_sample"] is False and cal["fit_file"].endswith("elastic-stationary.json")
+    assert cal["result_file"].endswith("elastic-drift.json") and finite(out["calibration_error"])
+    assert set(cal["predicted"]) == set(cal["measured"]) == {"elastic_vs_best_async", "elastic_vs_colocate"}
+    # every run the drifting bench measured was simulated, with the costs of the other run
+    assert {"elastic", "async", "async-2", "async-3", "colocate", "colocate-sync"} <= set(cal["predicted_s"])
+    fit = json.loads(Path(cal["fit_file"]).read_text())["calibration"]
+    assert cal["trace"]["microstep_s"] == fit["microstep_s"] and cal["trace"]["to_train_s"] == fit["to_train_s"]
+    shards = cal["shards_per_group_by_step"]
+    assert shards[-1] > shards[0]  # the drifting run's tokens grow with its turns
+    in_sample = simulate.calibrate(Path(cal["result_file"]))
+    assert in_sample["in_sample"] is True and in_sample["trace"]["microstep_s"] != fit["microstep_s"]
 
 
 def test_simulate_refuses_a_file_that_is_not_a_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -69,8 +93,10 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {"elastic_vs_async", "elastic_vs_colocate", "elastic_s", "async_s", "colocate_s", "staleness_ok",
             "calibration", "config", "host"} <= set(out)
     assert finite(out["elastic_vs_async"]) and finite(out["elastic_vs_colocate"])
-    # --quick runs no extra async splits: the best one is the only one
+    # --quick runs no extra async splits nor the synchronous colocate: the best ones are the only ones
     assert out["best_async"] == "async" and out["elastic_vs_best_async"] == out["elastic_vs_async"]
+    assert out["best_colocate"] == "colocate" and out["elastic_vs_colocate"] == out["elastic_vs_colocate_staleness_1"]
+    assert out["calibration_error"] is None and "--fit" in out["prediction"]["reason"]
     assert finite(out["calibration"]["first_call_s_median"])
     assert finite(out["calibration"]["grade_s"])  # measured from the 'group' events, not assumed
     # checked on every real CallRecord of the three runs
@@ -79,14 +105,11 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     for policy in ("elastic", "async", "colocate"):
         assert out["policies"][policy]["num_calls"] > 0
     cal = last_json(capsys, simulate.main, ["--quick", "--calibrate", str(result)])["calibration"]
-    if cal["error"] is None:  # the controller does not log microstep times yet: said, not invented
-        assert "not measured" in cal["reason"]
-    else:
-        assert finite(cal["error"]) and set(cal["predicted"]) == {"elastic_vs_async", "elastic_vs_colocate"}
-        assert cal["bound_s"] <= min(cal["predicted_s"].values())
-        assert all(cal["ceiling"][k] >= cal["predicted"][k] for k in cal["predicted"])
-        assert cal["release"] == "run" and cal["what_if_run_release"] is None  # simulated as it ran
-        assert set(cal["own_microstep_s"]) == {"elastic", "async", "colocate"} and finite(cal["error_own"])
+    assert finite(cal["error"]) and set(cal["predicted"]) == {"elastic_vs_best_async", "elastic_vs_colocate"}
+    assert cal["in_sample"] is True and cal["bound_s"] <= min(cal["predicted_s"].values())
+    assert all(cal["ceiling"][k] >= cal["predicted"][k] - 1e-9 for k in cal["predicted"])
+    assert cal["release"] == "run"  # simulated as it ran
+    assert set(cal["own_microstep_s"]) == {"elastic", "async", "colocate"} and finite(cal["error_own"])
 
 
 def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):

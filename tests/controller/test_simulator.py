@@ -140,7 +140,7 @@ def test_same_seed_same_run_and_seeds_draw_differently():
 
 def test_our_trace_files_load_and_round_trip():
     names = sorted(p.stem for p in TRACES.glob("*.json"))
-    assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_timeout_122b", "p2_4t", "terminalbench_122b"]
+    assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_timeout_122b", "p2_4t", "p2_4t_drift", "terminalbench_122b"]
     for path in TRACES.glob("*.json"):
         trace = load_trace(path)
         assert parse_trace(json.loads(json.dumps(trace_to_json(trace)))) == trace
@@ -148,6 +148,38 @@ def test_our_trace_files_load_and_round_trip():
     p24 = load_trace(TRACES / "p2_4t.json")
     assert (p24.cells.num_cells, p24.cells.nodes_per_cell, p24.workload.steps) == (4, 48, 48)
     assert p24.reference_h == {"elastic": 75.42, "async": 134.55, "colocate": 91.47}
+
+
+def test_a_phase_that_makes_more_shards_costs_its_steps_more_training():
+    # Two steps of one group, one cell training; the second step's phase makes 3 shards a group.
+    # Each microstep is 3 s, on one compute slot: async (one training cell) ends exactly 6 s later,
+    # and no policy gets the two extra microsteps for less.
+    two = dataclasses.replace(tiny().workload, steps=2, staleness=1)
+    flat = tiny(workload=two)
+    growing = dataclasses.replace(flat, phases=(Phase(name="a", first_step=0, runs=(0, 1)),
+                                                Phase(name="b", first_step=1, runs=(0, 1), microsteps_per_group=3)))
+    assert [growing.microsteps_of_step(s) for s in (0, 1)] == [1, 3]
+    assert parse_trace(json.loads(json.dumps(trace_to_json(growing)))) == growing
+    assert "microsteps_per_group" not in trace_to_json(flat)["phases"][0]  # older files stay as they were
+    one_cell = dataclasses.replace(growing.cells, num_cells=2, compute_slots=1)
+    for kind in ("async", "colocate", "elastic"):
+        more = simulate(dataclasses.replace(growing, cells=one_cell), kind).makespan_s
+        less = simulate(dataclasses.replace(flat, cells=one_cell), kind).makespan_s
+        assert more == pytest.approx(less + 6.0) if kind == "async" else more >= less + 6.0 - 1e-9, kind
+
+
+def test_the_drifting_trace_grows_its_runs_and_shards_and_turns_tool_heavy_halfway():
+    trace = load_trace(TRACES / "p2_4t_drift.json")
+    steps = trace.workload.steps
+    shards = [trace.microsteps_of_step(s) for s in range(steps)]
+    assert shards == sorted(shards) and shards[-1] >= 3 * shards[0]
+    mean_length = [sum(map(sum, trace.runs_of_step(s))) / len(trace.runs_of_step(s)) for s in (0, steps - 1)]
+    assert 3.0 <= mean_length[1] / mean_length[0] <= 5.0
+    # model share of a run: three quarters before the mix changes, about a third after
+    def model_share(step: int) -> float:
+        runs = trace.runs_of_step(step)
+        return sum(sum(r[0::2]) for r in runs) / sum(sum(r) for r in runs)
+    assert model_share(0) > 0.6 and model_share(steps - 1) < 0.45
 
 
 def test_the_generator_reproduces_the_committed_traces(tmp_path: Path):
@@ -177,6 +209,9 @@ def raw() -> dict:
     (lambda d: d.update(phases=[{"name": "a", "first_step": 1, "runs": [0, 1]}]), "first_step 0"),
     (lambda d: d.update(phases=[{"name": "a", "first_step": 0, "runs": [0, 5]}]), "phases[0].runs"),
     (lambda d: d.update(reference_h={"elastic": 1.0}), "reference_h"),
+    (lambda d: d["phases"][0].update(microsteps_per_group=-1), "phases[0].microsteps_per_group"),
+    (lambda d: d["phases"][0].update(microsteps_per_group=1.5), "phases[0].microsteps_per_group"),
+    (lambda d: d["phases"][0].update(shards=2), "unknown ['shards']"),
 ])
 def test_bad_trace_files_are_refused_naming_the_field(mutate, message):
     d = raw()

@@ -52,6 +52,7 @@ from controller.typed_config import build
 from trajectory.log import AppendLog, decode_marker
 from workloads.config import WorkloadConfig
 from workloads.drift import run_shape
+from workloads.harness import think_times
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("elastic", "async", "colocate")
@@ -208,7 +209,8 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[str, Any]:
+def measure(policy: str, run_dir: Path, *, steps: int, staleness: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run's figures; ``config`` (``{"steps", "overrides"}``) lets it check the think times."""
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary.get("steps") != steps or summary.get("scheduler") != policy:
         raise BenchError(f"{policy}: {run_dir}/summary.json says steps={summary.get('steps')} "
@@ -247,6 +249,7 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "staleness_ok": bool(lags) and max(lags) <= staleness,
         "engine_calls": len(lags),  # 0: no call to judge staleness on (every run timed out before its first)
         "think_time_applied": bool(logs) and len(think) == len(logs),
+        "think_time_replayed": think_replayed(think, config),
         "call_s": sorted(c.finished_at - c.started_at for c in calls),
         "first_call_s": first_call_seconds(calls),
         "to_train_s": [e["total_s"] for e in switches if e.get("role") == "train"],
@@ -263,6 +266,27 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int) -> dict[s
         "shard_latency_s": [e["shard_latency_s"] for e in ev.get("group", []) if e.get("shard_latency_s") is not None],
         "run_overhead_s": run_overheads(ev.get("execution", []), calls, think),
     }
+
+
+def think_replayed(think: dict[str, float], config: dict[str, Any] | None) -> bool | None:
+    """Whether every training run thought what ``think_times`` gives for its execution id and
+    step (what bench.simulate replays); None without the config to check against."""
+    if config is None or not think:
+        return None
+    from bench.simulate import embedded_setup
+
+    workload = build(WorkloadConfig, embedded_setup({"config": config})["workload"])
+    tt = workload.think_time
+    for eid, seconds in think.items():
+        step = step_of(eid)
+        if step is None:
+            continue
+        shape = run_shape(workload, step)
+        want = sum(think_times(seed=tt.seed, execution_id=eid, median_s=tt.median_s * shape.think_scale, sigma=tt.sigma,
+                               max_s=tt.max_s, turns=shape.max_turns))
+        if abs(want - seconds) > 2e-3:  # the log has three decimals
+            return False
+    return True
 
 
 def per_step(events: list[dict[str, Any]], steps: int, value: Any) -> list[float]:
@@ -495,7 +519,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, label=label,
                                  timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale), overrides=(*overrides, *extra))
-        results[label] = measure(policy, run_dir, steps=steps, staleness=bound)
+        results[label] = measure(policy, run_dir, steps=steps, staleness=bound,
+                                 config={"steps": steps, "overrides": list(overrides)})
+    if not args.quick and not all(r["think_time_replayed"] for r in results.values()):
+        raise BenchError("a harness's think time differs from workloads.harness.think_times for its execution id "
+                         "(what bench.simulate replays): is the bundled harness told --think-key?")
     if not args.quick and not all(r["think_time_applied"] for r in results.values()):
         raise BenchError("the harness ran without think time: controller/executions.py must pass "
                          "workload.think_time to workloads.harness (--think-* arguments)")

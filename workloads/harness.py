@@ -2,7 +2,7 @@
 
     OPENAI_API_KEY=TOKEN python -m workloads.harness --base-url http://127.0.0.1:PORT/v1 \\
         --workspace DIR --max-turns N --max-tokens M --temperature T --model NAME \\
-        [--think-median-s S --think-sigma X --think-max-s S --think-seed N]
+        [--think-median-s S --think-sigma X --think-max-s S --think-seed N --think-key EXECUTION_ID]
 
 It reads ``TASK.md`` from its workspace (first line ``file: <name>``, then the prompt), asks an
 OpenAI-compatible Chat Completions endpoint (non-streaming, ``Authorization: Bearer TOKEN``),
@@ -13,8 +13,8 @@ splice in the token ids it generated.
 
 With ``--think-median-s`` > 0 it also spends *think time* after each write, as an agent runs its
 tools: the run's total is log-normal around the median (``--think-sigma``), capped at
-``--think-max-s``, a function of (``--think-seed``, the workspace folder's name, which is the
-execution id) only, and split evenly over ``--max-turns``; ``think_times`` is that function, so a
+``--think-max-s``, a function of (``--think-seed``, ``--think-key``: the execution id, which the
+controller passes; by default the workspace folder's name) only, and split evenly over ``--max-turns``; ``think_times`` is that function, so a
 simulator can replay a run's lengths exactly. It prints ``harness: think <s>s over <n> turns``,
 and ``harness: answered <id>`` for each completion it got (its ``id``: the proxy's call id), so a
 run can check that every call a harness was answered is in the processor's log (``bench.soak``).
@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> None:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
     think = [0.0] * args.max_turns
     if args.think_median_s > 0:
-        think = think_times(seed=args.think_seed, execution_id=workspace.resolve().name, median_s=args.think_median_s,
+        key = args.think_key or workspace.resolve().name
+        think = think_times(seed=args.think_seed, execution_id=key, median_s=args.think_median_s,
                             sigma=args.think_sigma, max_s=args.think_max_s, turns=args.max_turns)
         print(f"harness: think {sum(think):.3f}s over {args.max_turns} turns", flush=True)
     for turn in range(args.max_turns):
@@ -198,6 +199,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--think-sigma", type=float, default=1.0)
     p.add_argument("--think-max-s", type=float, default=40.0)
     p.add_argument("--think-seed", type=int, default=0)
+    p.add_argument("--think-key", default="",
+                   help="what a run's think time is a function of, with the seed: its execution id (default: "
+                        "the workspace folder's name)")
     args = p.parse_args(argv)
     if not args.api_key:
         p.error("--api-key or $OPENAI_API_KEY: the execution's token")

@@ -70,6 +70,8 @@ def test_bundled_harness_runs_one_file_with_the_system_python_and_its_think_time
     assert cmd.argv[1] == "-I" and cmd.argv[2].endswith("workloads/harness.py")
     assert cmd.ro_paths == (Path(cmd.argv[2]),)
     assert cmd.argv[cmd.argv.index("--think-max-s") + 1] == "9.0"
+    # keyed by the execution id: every workspace folder is named "workspace"
+    assert cmd.argv[cmd.argv.index("--think-key") + 1] == "s0-g0-e0"
 
 
 def test_command_harness_expands_placeholders(tmp_path):

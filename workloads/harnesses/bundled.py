@@ -35,5 +35,7 @@ class BundledHarness:
         ]
         if self.think is not None and self.think.kind == "lognormal":  # long-tailed run lengths (bench.elastic)
             argv += ["--think-median-s", str(self.think.median_s * launch.think_scale), "--think-sigma", str(self.think.sigma),
-                     "--think-max-s", str(self.think.max_s), "--think-seed", str(self.think.seed)]
+                     "--think-max-s", str(self.think.max_s), "--think-seed", str(self.think.seed),
+                     # the execution id, not the workspace's name: every workspace is ``<id>/workspace``
+                     "--think-key", launch.execution_id]
         return HarnessCommand(argv=argv, env={}, ro_paths=(HARNESS_FILE,))

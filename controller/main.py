@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from controller.config import GyreConfig, build_config
 from controller.controller import Controller, RunFailed, make_run_dir
 from controller.processes import StartError
-from controller.report import plot_rewards, plot_roles, plot_water_level, write_markdown, write_summary
+from controller.report import plot_rewards, plot_roles, plot_run_lengths, plot_water_level, write_markdown, write_summary
 from controller.submit import SubmititLauncherConfig, build_launcher, submit_run
 from controller.typed_config import ConfigError
 from workloads.parts import PartsError
@@ -78,6 +78,7 @@ def run(cfg: GyreConfig) -> dict:
     plot_rewards(run_dir, ctl.step_rewards, eval_points)
     plot_roles(run_dir, cells, ctl.t0, now)
     plot_water_level(run_dir)
+    plot_run_lengths(run_dir)
     write_markdown(run_dir, summary)
     print(f"gyre: done in {summary['wall_s']:.1f}s; eval reward {summary['eval_reward_start']} -> "
           f"{summary['eval_reward_end']}; report in {run_dir}/report.md", flush=True)

@@ -5,6 +5,7 @@
     runs/<id>/reward.png      mean training reward per step, eval rewards marked
     runs/<id>/roles.png       each cell's role over time
     runs/<id>/water.png       the water level: queued and running executions against serving cells
+    runs/<id>/runs.png        the training runs' wall time per step (how the workload moved)
     runs/<id>/report.md       the figures and the plots in one page
 """
 
@@ -162,6 +163,52 @@ def plot_water_level(run_dir: Path) -> None:
     plt.close(fig)
 
 
+def read_run_lengths(metrics_path: Path) -> dict[int, tuple[list[float], int]]:
+    """Step -> (wall seconds of its training runs, how many of them timed out), from the
+    ``execution`` events."""
+    out: dict[int, tuple[list[float], int]] = {}
+    try:
+        lines = metrics_path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if not (isinstance(ev, dict) and ev.get("kind") == "execution" and ev.get("train")
+                and isinstance(ev.get("step"), int) and isinstance(ev.get("run_s"), (int, float))):
+            continue
+        lengths, timed_out = out.setdefault(ev["step"], ([], 0))
+        lengths.append(float(ev["run_s"]))
+        out[ev["step"]] = (lengths, timed_out + (ev.get("outcome") == "timed_out"))
+    return out
+
+
+def plot_run_lengths(run_dir: Path) -> None:
+    """Median and slowest training run per step, and the share cut at the timeout: the shape of
+    the workload the scheduler followed (a drifting one, ``workload.drift``, moves here)."""
+    per_step = read_run_lengths(run_dir / "metrics.jsonl")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if per_step:
+        steps = sorted(per_step)
+        ax.plot(steps, [statistics.median(per_step[s][0]) for s in steps], marker=".", label="median run")
+        ax.plot(steps, [max(per_step[s][0]) for s in steps], marker=".", label="slowest run")
+        cut = ax.twinx()
+        cut.bar(steps, [per_step[s][1] / len(per_step[s][0]) for s in steps], color="#d9534f", alpha=0.25,
+                label="share timed out")
+        cut.set_ylim(0, 1)
+        cut.set_ylabel("share timed out")
+        cut.legend(loc="upper right", fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("wall seconds")
+    ax.legend(loc="upper left", fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "runs.png", dpi=100)
+    plt.close(fig)
+
+
 def write_markdown(run_dir: Path, summary: dict[str, Any]) -> None:
     rows = "\n".join(
         f"| {c['id']}{' (core)' if c['core'] else ''} | {c['served_s']:.1f} | {c['trained_s']:.1f} | {c['switches']} |"
@@ -190,5 +237,7 @@ tokens, tool calls, sub-agents, compactions) events in `metrics.jsonl`; each run
 ![cell roles over time](roles.png)
 
 ![water level: queued and running executions against serving cells](water.png)
+
+![training runs' wall time per step and the share timed out](runs.png)
 """
     (run_dir / "report.md").write_text(text)

@@ -74,3 +74,4 @@ def test_a_live_run_in_tensorboard_prometheus_and_wandb(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (run_dir / "water.png").stat().st_size > 0
     assert "water.png" in (run_dir / "report.md").read_text()
+    assert (run_dir / "runs.png").stat().st_size > 0 and "runs.png" in (run_dir / "report.md").read_text()

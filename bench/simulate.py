@@ -28,15 +28,17 @@ overhead drawn from its measured spread, the shard latency), simulates every pol
 measured (each async split, both colocates), and ``calibration_error`` is the larger of
 |predicted ratio - measured ratio| / measured over ``elastic_vs_best_async`` and
 ``elastic_vs_colocate``. With ``--fit`` the costs come from *another* run (out of sample: a
-stationary run predicting a drifting one, its shards per group scaled by turns); without, from
-the run itself (in sample: that shows consistency, not prediction). ``--drift`` defaults to
+stationary run predicting a drifting one); without, from the run itself (in sample: that shows
+consistency, not prediction). Out of sample, what is taken from the run predicted is only its
+workload, as the think times are: the shards and tokens each step made; what they cost (seconds
+per microstep and per token, fitted) and every other cost come from the other run. ``--drift`` defaults to
 ``bench/results/elastic-stationary.json`` predicting ``bench/results/elastic-drift.json``.
 Without a result file the error is null, with the reason. In sample, ``error_own`` is the same
 with each policy's microsteps at the mean its own run measured (``own_microstep_s``): the
 simulator has no CPU contention, and on a machine whose cores the cells share with the rollouts
 a cell that trains while others serve pays for it. No value is ever filled in that was not
-measured; ``assumed`` lists those that are not (the gradient push, the shards' scaling with
-turns, and for older result files the shard latency).
+measured; ``assumed`` lists those that are not (the gradient push, and for older result files
+the shards' scaling with turns and the shard latency).
 
 Bound (``bound_h`` per row, ``p2_4t_ceiling_vs_*``): ``controller.bounds.makespan_bound``, the
 shortest time *any* policy could take on the same runs (switches, transfers and serving capacity
@@ -54,8 +56,9 @@ of the two bounds.
 
 Release: the calibration simulates the run's own ``algo.release`` (``group``: a group's microsteps
 come when it closes; ``run``: each run's as it is graded, the embedded trainer's run release).
-``what_if_run_release`` runs the 2.4T-like trace with ``release="run"`` as well: a what-if there, never in the headline figures, because Megatron does
-not keep the per-execution gradients run release needs (``cellrunner/run_release.py``).
+``what_if_run_release`` runs the 2.4T-like trace with ``release="run"`` as well: a what-if there,
+never in the headline figures, because Megatron does not keep the per-execution gradients run
+release needs (``cellrunner/run_release.py``).
 """
 
 from __future__ import annotations

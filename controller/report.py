@@ -167,21 +167,11 @@ def read_run_lengths(metrics_path: Path) -> dict[int, tuple[list[float], int]]:
     """Step -> (wall seconds of its training runs, how many of them timed out), from the
     ``execution`` events."""
     out: dict[int, tuple[list[float], int]] = {}
-    try:
-        lines = metrics_path.read_text().splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if not (isinstance(ev, dict) and ev.get("kind") == "execution" and ev.get("train")
-                and isinstance(ev.get("step"), int) and isinstance(ev.get("run_s"), (int, float))):
-            continue
-        lengths, timed_out = out.setdefault(ev["step"], ([], 0))
-        lengths.append(float(ev["run_s"]))
-        out[ev["step"]] = (lengths, timed_out + (ev.get("outcome") == "timed_out"))
+    for run in read_executions(metrics_path):
+        if run.get("train") and isinstance(run.get("step"), int) and isinstance(run.get("run_s"), (int, float)):
+            lengths, timed_out = out.setdefault(run["step"], ([], 0))
+            lengths.append(float(run["run_s"]))
+            out[run["step"]] = (lengths, timed_out + (run.get("outcome") == "timed_out"))
     return out
 
 

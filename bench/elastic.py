@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.simulate import FIT_RESULT, calibrate, embedded_setup
 from controller import wire
 from controller.typed_config import build
 from trajectory.log import AppendLog, decode_marker
@@ -273,8 +274,6 @@ def think_replayed(think: dict[str, float], config: dict[str, Any] | None) -> bo
     step (what bench.simulate replays); None without the config to check against."""
     if config is None or not think:
         return None
-    from bench.simulate import embedded_setup
-
     workload = build(WorkloadConfig, embedded_setup({"config": config})["workload"])
     tt = workload.think_time
     for eid, seconds in think.items():
@@ -390,8 +389,6 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "microsteps_by_step": [median([r["microsteps_by_step"][s] for r in results.values()])
                                for s in range(config["steps"])],
         "tokens_by_step": [median([r["tokens_by_step"][s] for r in results.values()]) for s in range(config["steps"])],
-        # turns per run, averaged over the steps (workload.drift changes them): shards scale with them
-        "mean_turns": mean_turns(config),
         "call_s_p25": median([r["call_s"][len(r["call_s"]) // 4] for r in results.values() if r["call_s"]]),
         "call_s_median": pooled(results, "call_s"), "first_call_s_median": pooled(results, "first_call_s"),
         # A run's own overhead, measured where runs are never stalled (elastic); else harness start alone.
@@ -432,14 +429,6 @@ def compact_raw(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         kept["microstep_s_mean"] = statistics.mean(r["microstep_s"]) if r.get("microstep_s") else None
         out[label] = kept
     return out
-
-
-def mean_turns(config: dict[str, Any]) -> float:
-    """A training run's turns averaged over the run's steps, from its workload config."""
-    from bench.simulate import embedded_setup  # the conf/ + overrides reader both benches use
-
-    workload = build(WorkloadConfig, embedded_setup({"config": config})["workload"])
-    return statistics.mean(run_shape(workload, s).max_turns for s in range(config["steps"]))
 
 
 def run_info() -> dict[str, Any]:
@@ -521,12 +510,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale), overrides=(*overrides, *extra))
         results[label] = measure(policy, run_dir, steps=steps, staleness=bound,
                                  config={"steps": steps, "overrides": list(overrides)})
-    if not args.quick and not all(r["think_time_replayed"] for r in results.values()):
-        raise BenchError("a harness's think time differs from workloads.harness.think_times for its execution id "
-                         "(what bench.simulate replays): is the bundled harness told --think-key?")
     if not args.quick and not all(r["think_time_applied"] for r in results.values()):
         raise BenchError("the harness ran without think time: controller/executions.py must pass "
                          "workload.think_time to workloads.harness (--think-* arguments)")
+    if not args.quick and not all(r["think_time_replayed"] for r in results.values()):
+        raise BenchError("a harness's think time differs from workloads.harness.think_times for its execution id "
+                         "(what bench.simulate replays): is the bundled harness told --think-key?")
     config = {"steps": steps, "workload": args.workload, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
               "scale": args.scale,
               "quick": args.quick, "cpu_bound": args.cpu_bound, "root": str(args.root)}
@@ -535,7 +524,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({**out, "raw": compact_raw(results)}, indent=1))
     # Out of sample: the simulator, given the costs another run measured, predicts this one.
-    from bench.simulate import FIT_RESULT, calibrate
     fit = args.fit or (FIT_RESULT if args.workload == "drift" else None)
     cal = calibrate(out_path, fit) if fit is not None else {
         "error": None, "reason": "no --fit result file: an out-of-sample prediction needs another run's costs"}

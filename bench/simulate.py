@@ -38,7 +38,7 @@ with each policy's microsteps at the mean its own run measured (``own_microstep_
 simulator has no CPU contention, and on a machine whose cores the cells share with the rollouts
 a cell that trains while others serve pays for it. No value is ever filled in that was not
 measured; ``assumed`` lists those that are not (the gradient push, and for older result files
-the shards' scaling with turns and the shard latency).
+the shards per step and the shard latency).
 
 Bound (``bound_h`` per row, ``p2_4t_ceiling_vs_*``): ``controller.bounds.makespan_bound``, the
 shortest time *any* policy could take on the same runs (switches, transfers and serving capacity
@@ -258,7 +258,7 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
         grad_transfer_s=GRAD_TRANSFER_S_ASSUMED, microstep_s=cal["microstep_s"], apply_s=cal["apply_s"],
         compute_slots=max(cpus, cl["num_cells"]) if paced else cpus, reroute_s=0.0,
     )
-    per_step, assumed_shards = step_training(result["calibration"], cal, workload, steps, wl["groups_per_step"])
+    per_step, assumed_shards = step_training(result["calibration"], cal, steps, wl["groups_per_step"])
     shape = WorkloadShape(
         steps=steps, groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
         timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_step[0][0],
@@ -292,13 +292,14 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
     return trace, runs, assumed + assumed_shards
 
 
-def step_training(workload_cal: dict[str, Any], cost_cal: dict[str, Any], workload: WorkloadConfig, steps: int,
+def step_training(workload_cal: dict[str, Any], cost_cal: dict[str, Any], steps: int,
                   groups: int) -> tuple[list[tuple[int, float]], list[str]]:
     """Per step: (shards per group, seconds per microstep). The shards and tokens each step made
     are the workload's (``workload_cal``: the run predicted, like its think times); the seconds
     they cost come from ``cost_cal`` (``microstep_fit``: seconds = s + s_per_token x tokens), so
     a run whose shards grow is predicted from one whose shards did not. Result files without the
-    per-step figures scale the cost run's shards by turns instead (said in ``assumed``)."""
+    per-step figures give every step the run's median shards and the cost run's microstep time
+    (said in ``assumed``)."""
     by_step, tokens, fit = workload_cal.get("microsteps_by_step"), workload_cal.get("tokens_by_step"), cost_cal.get("microstep_fit")
     if by_step and tokens and len(by_step) == len(tokens) == steps:
         out = []
@@ -307,10 +308,8 @@ def step_training(workload_cal: dict[str, Any], cost_cal: dict[str, Any], worklo
             per_group = max(1, round(n / groups))
             out.append((per_group, max(1e-3, seconds / (per_group * groups))))
         return out, ([] if fit else ["microstep seconds independent of tokens"])
-    fit_turns = cost_cal.get("mean_turns") or workload.max_turns
-    per_turn = cost_cal["microsteps_per_step"] / groups / fit_turns
-    return ([(max(1, round(per_turn * run_shape(workload, s).max_turns)), cost_cal["microstep_s"]) for s in range(steps)],
-            ["shards per group in proportion to turns"])
+    per_group = max(1, round(workload_cal["microsteps_per_step"] / groups))
+    return [(per_group, cost_cal["microstep_s"])] * steps, ["the same shards every step"]
 
 
 def draw(quantiles: list[float], key: str) -> float:
@@ -386,9 +385,10 @@ def calibrate(path: Path | None, fit: Path | None = None) -> dict[str, Any]:
         own = own_microstep_costs(result)
         own_sims = {k: simulate(_with_microstep(trace, own[k]), k, runs=runs, release=release) for k in POLICIES} if own else None
         own_ratios = _ratios(own_sims) if own_sims else None
+        # _ratios compares with the policies as configured: colocate at the run's staleness
+        as_run = {k: result.get(f"{k}_staleness_1") or result[k] for k in own_ratios or {}}
         out |= {"own_microstep_s": own, "predicted_own": own_ratios,
-                "error_own": max(abs(v - m) / m for k, v in own_ratios.items()
-                                 if (m := result.get(f"{k}_staleness_1") or result[k])) if own_ratios else None}
+                "error_own": max(abs(v - as_run[k]) / as_run[k] for k, v in own_ratios.items()) if own_ratios else None}
     return out
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cellrunner import param_offload
 from cellrunner.errors import BackendUnavailable
 from cellrunner.config import MegatronConfig, ModelConfig
 from cellrunner.gspo import LossStats, PackedBatch, gspo_loss, pack
@@ -266,6 +267,8 @@ class MegatronTrainer:
         self.version = -1
         self.num_microsteps = 0
         self._offloaded = False
+        self._host_params: param_offload.Offloaded | None = None
+        self._host_state: list[tuple[dict, str]] = []
         self._global_layers: list[int] = []
         self._pad_cols: torch.Tensor | None = None  # this rank's padded vocabulary columns
 
@@ -612,6 +615,14 @@ class MegatronTrainer:
         if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
 
+    def _torch_optimizers(self) -> list[Any]:
+        """The torch optimizers inside Megatron's (one per parameter kind when it chains them)."""
+        if self.optimizer is None:
+            return []
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None
+                and not getattr(o, "is_stub_optimizer", False)]
+
     def _grad_buffers(self) -> list[torch.Tensor]:
         return [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
 
@@ -703,21 +714,30 @@ class MegatronTrainer:
                 "padded_vocab_size": self.layout.padded_vocab_size, "layer_spec": self.cfg.layer_spec}
 
     def _offload(self) -> None:
-        """CUDA only: weights, gradient buffers and Adam state to host memory while serving."""
-        if self.optimizer is not None:
-            self.optimizer.offload_to_cpu()
+        """CUDA only: weights, gradient buffers and Adam state to host memory while serving.
+
+        Not Megatron's ``optimizer.offload_to_cpu``: it moves the optimizer's parameters by swapping
+        their ``.data``, and those include the model's own float32 parameters (the norms of a bf16
+        model), whose DDP gradient hooks a device change drops (``param_offload``)."""
+        tensors = {id(p): p for p in self.model.module.parameters()}
+        for opt in self._torch_optimizers():
+            tensors.update((id(p), p) for group in opt.param_groups for p in group["params"])
         self.model.offload_grad_buffers()
-        for p in self.model.module.parameters():
-            if p.is_cuda:
-                p.data = p.data.cpu()
+        self._host_params = param_offload.offload([t for t in tensors.values() if t.is_cuda], reuse=self._host_params)
+        self._host_state = []  # Adam's moments: plain tensors in a dict, no hooks on them
+        for opt in self._torch_optimizers():
+            for state in opt.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.is_cuda:
+                        state[k] = v.cpu()
+                        self._host_state.append((state, k))
         torch.cuda.empty_cache()
         self._offloaded = True
 
     def _restore(self) -> None:
-        for p in self.model.module.parameters():
-            if not p.is_cuda:
-                p.data = p.data.to(self.device)
+        param_offload.restore(self._host_params)  # its host buffers stay for the next offload
         self.model.restore_grad_buffers()
-        if self.optimizer is not None:
-            self.optimizer.restore_from_cpu()
+        for state, k in self._host_state:
+            state[k] = state[k].to(self.device)
+        self._host_state = []
         self._offloaded = False

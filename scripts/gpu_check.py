@@ -9,7 +9,8 @@ goes through what a Gyre cell does on a cluster, with the production classes:
 2. A role switch serve -> train, timed per phase (drain, release, trainer start).
 3. One Megatron GSPO step (``cellrunner.megatron_trainer.MegatronTrainer``, bf16, DDP + Megatron
    optimizer) on the served samples; the served log-probs vs Megatron's recomputed ones on the
-   same weights (the train/inference mismatch; goal: mean |delta| <= 0.02).
+   same weights (the train/inference mismatch; goal: mean |delta| <= 0.02). Then the core's
+   gradient on one shard before and after it offloads for serving and comes back: the same.
 4. A role switch train -> serve with the new version, timed; the served weight_version checked.
 5. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
 6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes:
@@ -60,12 +61,17 @@ class Report:
         self.figures: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
         self.skipped: list[str] = []
+        self.off: set[str] = set()
+        """Stages this run leaves out on purpose (``--no-sglang``), said once in ``skipped``."""
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
 
     @contextlib.contextmanager
     def stage(self, name: str, *, needs_s: float = 0.0, requires: bool = True) -> Iterator[bool]:
+        if name in self.off:
+            yield False
+            return
         if not requires:
             self.skipped.append(f"{name}: an earlier stage failed")
             yield False
@@ -137,6 +143,57 @@ def shard_from(samples: list[dict], step: int) -> Any:
         seqs.append(wire.Sequence(execution_id=f"e{i}", tokens=tokens, target_mask=mask, behaviour_logprobs=blp,
                                   advantage=1.0 if i % 2 else -1.0, token_weight=1.0 / max(n_out, 1)))
     return wire.Shard(step=step, shard_id="gpu-check", num_executions=len(seqs), sequences=seqs)
+
+
+def trainer_samples(trainer: Any, n: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:
+    """Without SGLang (``--no-sglang``): random completions, their behaviour log-probs scored by the
+    trainer itself, so the GSPO step runs on real shapes (its first ratio is 1 up to bf16 noise)."""
+    import torch
+
+    from cellrunner.gspo import pack
+
+    rng = random.Random(seed)
+    samples = [{"prompt": [rng.randrange(1000, 100000) for _ in range(prompt_len)],
+                "tokens": [rng.randrange(1000, 100000) for _ in range(new_tokens)], "logprobs": [0.0] * new_tokens,
+                "version": 0} for _ in range(n)]
+    batch = pack(list(shard_from(samples, 0).sequences))
+    with torch.no_grad():
+        ids = batch.input_ids.to(trainer.device)
+        pos = torch.arange(ids.shape[1], device=trainer.device).expand_as(ids)
+        lp = trainer.token_logprobs(trainer.model(ids, pos, None), batch.targets.to(trainer.device)).float().cpu()
+    for row, s in enumerate(samples):
+        cols = batch.target_mask[row].bool().nonzero().flatten().tolist()
+        s["logprobs"] = [float(lp[row, c]) for c in cols]
+        if len(s["logprobs"]) != new_tokens:
+            raise ValueError(f"sample {row}: {len(s['logprobs'])} scored tokens, want {new_tokens}")
+    return samples
+
+
+def offload_roundtrip(trainer: Any, shard: Any) -> dict[str, Any]:
+    """The core's gradient on one shard before and after it offloads for serving and comes back
+    (``trainer.offload_when_serving``): the same weights and data must give the same gradient.
+    Before cellrunner/param_offload.py it came back zero (DDP's hooks lost with the old storage)."""
+    import numpy as np
+
+    trainer.microstep(shard)
+    before = trainer.take_grads()
+    t = time.perf_counter()
+    trainer.stop()
+    offload_s = time.perf_counter() - t
+    offloaded = trainer._offloaded
+    t = time.perf_counter()
+    trainer.start(None)
+    restore_s = time.perf_counter() - t
+    trainer.microstep(shard)
+    after = trainer.take_grads()
+    stray = [n for n, p in trainer.model.module.named_parameters() if p.grad is not None]
+    scale = float(np.abs(before).max()) or 1.0
+    return {"offloaded": offloaded, "offload_s": round(offload_s, 3), "restore_s": round(restore_s, 3),
+            "grad_l2_before": float(np.linalg.norm(before)),
+            "grad_l2_after": float(np.linalg.norm(after)),
+            "max_abs_diff_rel": float(np.abs(after - before).max()) / scale,
+            "params_with_stray_grad": len(stray), "same": bool(np.allclose(after, before, rtol=1e-3, atol=1e-6 * scale))
+            and not stray}
 
 
 def logprob_mismatch(trainer: Any, samples: list[dict], k: int) -> dict[str, float]:
@@ -305,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         # Qwen3-0.6B-shaped random init in bf16 with Qwen3's tokenizer, written here, read by SGLang
         # (its own loader) and by Megatron (the core's), which must then agree on log-probs.
         t = time.perf_counter()
-        folder = write_checkpoint(Path(args.work_dir) / "qwen3-0.6b-random", shape="0.6b", dtype="bfloat16")
+        folder = write_checkpoint(Path(args.work_dir) / f"qwen3-{args.shape}-random", shape=args.shape, dtype="bfloat16")
         figures["checkpoint_write_s"] = round(time.perf_counter() - t, 2)
         model_cfg = build(ModelConfig, {**yaml.safe_load(open(ROOT / "conf/model/qwen3_hf.yaml")), "path": str(folder)})
         algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
@@ -319,6 +376,9 @@ def run(args: argparse.Namespace) -> dict:
                                 expert_model_parallel_size=1, params_dtype="bfloat16", layer_spec="local",
                                 pad_vocab_to=128, offload_when_serving=True, moe_aux_loss_coeff=0.0)
 
+        if args.no_sglang:
+            report.off = {"sglang_start", "load_v0", "serve", "serve_to_train", "train_to_serve", "weight_update"}
+            report.skipped.append(", ".join(sorted(report.off)) + ": --no-sglang")
         with report.stage("sglang_start", needs_s=120) as go:
             if go:
                 t = time.perf_counter()
@@ -338,7 +398,9 @@ def run(args: argparse.Namespace) -> dict:
                 t = time.perf_counter()
                 w = trainer.weights()
                 figures["hf_gather_s"] = round(time.perf_counter() - t, 3)
+                t = time.perf_counter()
                 trainer.stop()  # the core offloads while it serves
+                figures["first_offload_s"] = round(time.perf_counter() - t, 3)
 
         with report.stage("load_v0", needs_s=30, requires=engine is not None and w is not None) as go:
             if go:
@@ -371,9 +433,16 @@ def run(args: argparse.Namespace) -> dict:
                 figures["serve_to_train"] = {"total_s": round(time.perf_counter() - t, 3),
                                              **{k: round(v, 3) for k, v in phases.items()}}
 
+        if args.no_sglang:
+            with report.stage("trainer_samples", needs_s=30, requires=trainer is not None) as go:
+                if go:
+                    trainer.start(None)
+                    samples = trainer_samples(trainer, args.requests, args.prompt_len, args.new_tokens, seed=1)
+
         with report.stage("gspo_step", needs_s=30, requires=trainer is not None and bool(samples)) as go:
             if go:
-                figures["logprob_mismatch_served_vs_megatron"] = logprob_mismatch(trainer, samples, k=8)
+                key = "logprob_recompute_megatron" if args.no_sglang else "logprob_mismatch_served_vs_megatron"
+                figures[key] = logprob_mismatch(trainer, samples, k=8)
                 shard = shard_from(samples, step=0)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
@@ -389,6 +458,11 @@ def run(args: argparse.Namespace) -> dict:
                                         "fwd_bwd_s": round(fb, 3), "apply_and_gather_s": round(apply_s, 3),
                                         "version": w.version,
                                         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+        with report.stage("offload_roundtrip", needs_s=30,
+                          requires=trainer is not None and bool(samples) and w is not None and w.version == 1) as go:
+            if go:
+                figures["offload_roundtrip"] = offload_roundtrip(trainer, shard_from(samples, step=1))
 
         ready = engine is not None and trainer is not None and w is not None and w.version == 1
         with report.stage("train_to_serve", needs_s=30, requires=ready) as go:
@@ -462,6 +536,9 @@ def main() -> None:
     ap.add_argument("--mooncake-mib", type=int, default=1024)
     ap.add_argument("--mooncake-protocols", default="rdma,tcp", help="tried in order; each reported")
     ap.add_argument("--skip-mooncake", action="store_true")
+    ap.add_argument("--shape", default="0.6b", help="cellrunner.make_checkpoint's shape (tiny: a CPU smoke run)")
+    ap.add_argument("--no-sglang", action="store_true",
+                    help="no SGLang on this machine: the Megatron stages on samples the trainer scores itself")
     args = ap.parse_args()
     result = run(args)
     sys.stdout.flush()

@@ -95,3 +95,34 @@ def _train_end(arrivals: list[tuple[float, int]], previous: float, cells: int, s
         after = max(when, previous)
         end = max(end, after + max(math.ceil(left / cells) * microstep_s, left * microstep_s / min(cells, slots)))
     return end
+
+
+
+def throughput_what_if(trace: Trace, runs: RunSource) -> dict[str, float | int]:
+    """Elastic over the best fixed split if every policy ran at its throughput: a what-if for step
+    semantics in which no step waits for its slowest run (partial rollouts, a preempted tail), for
+    every policy alike. Only the work binds then. Any policy needs the cells' time for every run's
+    slot and every microstep (``serving_bound``), and the compute slots for every microstep and each
+    serving cell's calls (``capacity_per_cell`` of them at full speed, as the simulator runs them).
+    A fixed split of ``k`` training cells also needs ``k`` cells (at most ``compute_slots``) for
+    all the microsteps, and the other ``N - k`` for all the slots. ``ratio`` is the best split's time
+    over any policy's. Where the balance of serving and training holds through the run, it is near 1.
+
+    Not a bound on what elastic measures: under today's semantics a fixed split held back by the
+    step chain can trail its throughput further than elastic does.
+
+    Returns ``any_policy_s``, ``best_split_s``, ``best_split_cells`` and ``ratio``."""
+    wl, cc = trace.workload, trace.cells
+    durations = [runs(f"s{step}-g{g}-e{i}", step) for step in range(wl.steps)
+                 for g in range(wl.groups_per_step) for i in range(wl.group_size)]
+    held = sum(min(wl.launch_s + sum(segs), wl.timeout_s) for segs in durations) / cc.capacity_per_cell
+    calls = sum(sum(segs[0::2]) for segs in durations) / cc.capacity_per_cell  # a serving cell's calls share it
+    training = sum(wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
+                   for step in range(wl.steps))
+    compute = (calls + training) / cc.compute_slots
+    any_policy = max((held + training) / cc.num_cells, compute)
+    splits = {k: max(training / min(k, cc.compute_slots), held / (cc.num_cells - k), compute)
+              for k in range(1, cc.num_cells)}
+    best = min(splits, key=splits.get)
+    return {"any_policy_s": any_policy, "best_split_s": splits[best], "best_split_cells": best,
+            "ratio": splits[best] / any_policy}

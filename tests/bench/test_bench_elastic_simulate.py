@@ -51,6 +51,8 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
         assert row["overcommit_h"]["elastic"] == 0 and row["overcommit_h"]["async"] == 0
         assert row["vs_colocate"] <= row["elastic_ceiling_vs_colocate"] <= row["ceiling_vs_colocate"]
         assert all(0 <= v <= 1 for v in row["cut_call_share"].values())
+        # the throughput what-if: a fixed split at its throughput is never faster than any policy's
+        assert row["throughput_vs_best_async"] >= 1 - 1e-9
     assert out["p2_4t_ceiling_vs_colocate"] == out["table"][0]["ceiling_vs_colocate"]
     run = out["what_if_run_release"]
     assert run["p2_4t_vs_colocate"] <= run["ceiling_vs_colocate"] and run["bound_h"] <= min(run["hours"].values())
@@ -63,6 +65,7 @@ def test_simulate_drift_predicts_a_drifting_run_from_a_stationary_one(capsys: py
     drift = next(r for r in out["table"] if r["trace"] == "p2_4t_drift")
     assert out["p2_4t_vs_best_async"] == drift["vs_best_async"] and out["p2_4t_vs_colocate"] == drift["vs_best_colocate"]
     assert out["p2_4t_vs_bound"] == drift["vs_bound"] and finite(out["p2_4t_ceiling_vs_best_async"])
+    assert out["p2_4t_throughput_vs_best_async"] == drift["throughput_vs_best_async"]
     cal = out["calibration"]
     assert out["calibration_in_sample"] is False and cal["fit_file"].endswith("elastic-stationary.json")
     assert cal["result_file"].endswith("elastic-drift.json") and finite(out["calibration_error"])

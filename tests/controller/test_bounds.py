@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.bounds import makespan_bound, serving_bound
+from controller.bounds import makespan_bound, serving_bound, throughput_what_if
 from controller.simulator import pool_source, simulate
 from controller.traces import load_trace
 from tests.controller.test_simulator import tiny
@@ -115,3 +115,24 @@ def test_colocate_passes_the_serving_bound_only_by_cutting_its_runs():
     colocate, elastic = simulate(trace, "colocate", seed=0), simulate(trace, "elastic", seed=0)
     assert colocate.makespan_s < bound and colocate.overcommit_s > 0
     assert colocate.cut_call_s / colocate.call_s > 2 * elastic.cut_call_s / elastic.call_s
+
+
+def test_throughput_what_if_by_hand():
+    # 4 cells of one slot; tiny()'s 2 runs hold 3.5 s each: 7 cell-seconds of serving.
+    four = dataclasses.replace(tiny().cells, num_cells=4, capacity_per_cell=1, compute_slots=4)
+    # 7 s of training as well: 2 cells each way fit exactly, so no policy beats the 2/2 split.
+    even = tiny(cells=dataclasses.replace(four, microstep_s=7.0))
+    r = throughput_what_if(even, pool_source(even, 0))
+    assert r["any_policy_s"] == pytest.approx(14 / 4) and r["best_split_s"] == pytest.approx(3.5)
+    assert (r["best_split_cells"], r["ratio"]) == (2, pytest.approx(1.0))
+    # 3 s of training: the ideal split is 1.2 training cells of 4. One cell takes 3 s (the three
+    # serving cells 7/3 s), any policy (7 + 3) / 4 = 2.5 s: 1.2x.
+    uneven = tiny(cells=dataclasses.replace(four, microstep_s=3.0))
+    r = throughput_what_if(uneven, pool_source(uneven, 0))
+    assert r["any_policy_s"] == pytest.approx(2.5) and r["best_split_s"] == pytest.approx(3.0)
+    assert (r["best_split_cells"], r["ratio"]) == (1, pytest.approx(1.2))
+    # Shared compute: one slot for all four cells makes calls (2 s) and training (3 s) queue: 5 s
+    # for every policy and split alike.
+    shared = tiny(cells=dataclasses.replace(four, microstep_s=3.0, compute_slots=1))
+    r = throughput_what_if(shared, pool_source(shared, 0))
+    assert r["any_policy_s"] == pytest.approx(5.0) and r["ratio"] == pytest.approx(1.0)

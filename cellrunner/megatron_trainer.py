@@ -723,7 +723,7 @@ class MegatronTrainer:
         for opt in self._torch_optimizers():
             tensors.update((id(p), p) for group in opt.param_groups for p in group["params"])
         self.model.offload_grad_buffers()
-        self._host_params = param_offload.offload([t for t in tensors.values() if t.is_cuda], reuse=self._host_params)
+        self._host_params = param_offload.offload(list(tensors.values()), reuse=self._host_params)
         self._host_state = []  # Adam's moments: plain tensors in a dict, no hooks on them
         for opt in self._torch_optimizers():
             for state in opt.state.values():

@@ -309,6 +309,33 @@ def test_core_plus_satellite_is_one_replica():
     assert sat.model is None and sat.version == -1
 
 
+def test_the_core_trains_the_same_after_offloading_for_serving(monkeypatch):
+    # stop() offloads only on CUDA; here the same path runs on the host (no device change, which is
+    # what broke DDP's hooks on the H200: cellrunner/param_offload.py): parameters, gradient
+    # buffers and Adam's moments go and come back, and the next step is the one it would have taken.
+    cfg, algo = model_cfg(), algo_cfg(lr=1e-4, eps_low=0.5, eps_high=10.0)  # wide clip: the second step has a gradient
+    shard = make_shard(4)
+    stay = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())
+    away = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())
+    for t in (stay, away):
+        t.start(None)
+        t.microstep(shard)
+        t.apply([], num_executions=shard.num_executions)  # Adam has moments now
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)  # Megatron's grad-buffer offload calls it
+    away._offload()
+    assert away._offloaded and all(p.untyped_storage().nbytes() == 0 for p in away.model.module.parameters())
+    away._restore()
+    away._ready()
+    for t in (stay, away):
+        t.microstep(shard)
+    assert not [n for n, p in away.model.module.named_parameters() if p.grad is not None]
+    np.testing.assert_array_equal(torch.cat([b.reshape(-1) for b in away._grad_buffers()]).numpy(),
+                                  torch.cat([b.reshape(-1) for b in stay._grad_buffers()]).numpy())
+    (w_stay, n_stay), (w_away, n_away) = (t.apply([], num_executions=shard.num_executions) for t in (stay, away))
+    assert n_away == n_stay > 0
+    np.testing.assert_array_equal(w_away.data, w_stay.data)
+
+
 def test_checkpoint_round_trip_is_exact(tmp_path):
     cfg, algo = model_cfg(), algo_cfg(eps_low=0.2, eps_high=10.0)
     first = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())

@@ -775,6 +775,8 @@ class Controller:
                 planned=self.planned_steps, per_step=self.cfg.workload.groups_per_step * self.cfg.workload.group_size,
             ) if self.stage == "train" else 0,
             steps_left=self.cfg.run.steps - self.steps.version,
+            # a resumed attempt fills its pipeline again from the checkpoint's version
+            updates_applied=self.steps.version - (self.resume_from.version if self.resume_from else 0),
             grading_groups=self.grading_groups(),
         )
 

@@ -29,7 +29,10 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
   cell, runs of steps past the next one start only in the slack of the cells the nearer work
   holds, and rule 3 does not count them as live work, so no cell keeps serving for work no
   update waits on (bench.simulate's staleness table: on the drifting 2.4T-like trace elastic
-  went from 0.98x / 0.96x of the best fixed split to 1.00x / 1.02x at staleness 2 / 3).
+  went from 0.98x / 0.96x of the best fixed split to 1.00x / 1.02x at staleness 2 / 3). Not
+  while the pipeline fills (the first ``staleness`` updates): then every planned step is on the
+  critical path, and holding its runs back cost short runs up to 9% (8 steps of p2_4t at
+  staleness 2: 1.14x over the best split with it there, 1.24x without).
 - ``async``: fixed pools; the core and the next ``train_cells - 1`` cells train, the rest serve.
 - ``colocate``: everyone serves until the trainable step's rollouts are all in, then everyone
   trains (running executions wait for a serving cell meanwhile).
@@ -81,6 +84,9 @@ class SchedulerView:
     queued_ahead: int = 0
     """Queued executions of steps past the one after the trainable step (only a staleness bound
     above 1 plans those): no update waits on them before the trainable step's lands."""
+    updates_applied: int | None = None
+    """Updates applied since this attempt's rollouts began (``None``: the caller does not say, and
+    the pipeline counts as full). The first ``staleness`` of them are the pipeline filling."""
     steps_left: int | None = None
     """Weight versions still to train (0 once the last update is applied). ``None``: the caller
     does not say, and the run counts as over once nothing is live, pending or in demand, which
@@ -136,11 +142,12 @@ def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
     if cfg.kind == "elastic" and len(serving) > 1 and any(c.is_core for c in serving) and _training_due(view):
         slots -= cfg.capacity_per_cell
     room = max(0, slots - view.running)
-    if cfg.kind == "elastic" and view.queued_ahead > 0 and view.ready_microsteps > 0:
+    ahead = _held_ahead(view, cfg)
+    if cfg.kind == "elastic" and ahead > 0 and view.ready_microsteps > 0:
         # Lookahead: while microsteps wait for a cell, runs of steps further ahead start only in
         # the slack of the cells the nearer work holds. Started now, they would hold serving
         # cells (rule 1) that the trainable step needs, and no update would come sooner for it.
-        near = view.queued - view.queued_ahead + view.running
+        near = view.queued - ahead + view.running
         room = min(room, max(0, math.ceil(near / cfg.capacity_per_cell) * cfg.capacity_per_cell - view.running))
     return room
 
@@ -149,7 +156,7 @@ def serving_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> i
     """Cells that hold all live work (queued + running; queued runs of steps further ahead wait
     for room, see ``launch_room``), at least ``min_serving_cells`` while there is or will be
     rollout work."""
-    return _cells_for(view.queued - view.queued_ahead + view.running, view, cfg, num_cells)
+    return _cells_for(view.queued - _held_ahead(view, cfg) + view.running, view, cfg, num_cells)
 
 
 def tail_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
@@ -158,7 +165,15 @@ def tail_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
     it lands."""
     if not (view.step_rollouts_done and view.ready_microsteps == 0 and view.queued_at_apply > 0):
         return serving_need(view, cfg, num_cells)
-    return _cells_for(view.queued - view.queued_ahead + view.running + view.queued_at_apply, view, cfg, num_cells)
+    return _cells_for(view.queued - _held_ahead(view, cfg) + view.running + view.queued_at_apply, view, cfg, num_cells)
+
+
+def _held_ahead(view: SchedulerView, cfg: SchedulerConfig) -> int:
+    """The queued runs the lookahead holds back: ``queued_ahead``, once the pipeline is full. While
+    the first ``staleness`` updates are coming, every step planned so far is on the critical path
+    (nothing trains ahead of it yet), so its runs start as early as they can."""
+    filling = view.updates_applied is not None and view.updates_applied < cfg.staleness
+    return 0 if filling else view.queued_ahead
 
 
 def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:

@@ -363,6 +363,7 @@ class Simulation:
                                                 total_steps=self.wl.steps, planned=self.planned,
                                                 per_step=self.wl.groups_per_step * self.wl.group_size),
             steps_left=self.wl.steps - self.steps.version,
+            updates_applied=self.steps.version,
             grading_groups=self.grading_groups(),
         )
 

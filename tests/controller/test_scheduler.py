@@ -1,6 +1,8 @@
 """The pure scheduler, by example: each policy's defining behaviour on small hand-made snapshots.
 The invariants over all snapshots are in test_scheduler_properties.py."""
 
+import dataclasses
+
 from controller.config import SchedulerConfig
 from controller.scheduler import CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 
@@ -136,6 +138,21 @@ def test_elastic_starts_runs_of_steps_further_ahead_only_in_the_slack_of_the_nea
     cells = [cell(0, "train", core=True), cell(1, "train"), cell(2), cell(3)]
     assert decide(view(cells, queued=8, running=6, demand=4, ahead=8), cfg()) == []
     assert moves(decide(view(cells, queued=8, running=6, demand=4, ahead=0), cfg())) == {(1, "serve")}
+
+
+def test_elastic_holds_nothing_back_while_the_pipeline_fills():
+    # The first `staleness` updates: every planned step is on the critical path, so its runs start
+    # as early as they can, and they count as live work (what the lookahead does once it is full).
+    cells = [cell(0, "train", core=True), cell(1), cell(2), cell(3)]
+    stale2 = dataclasses.replace(cfg(), staleness=2)
+    filling = dataclasses.replace(view(cells, queued=8, running=6, demand=3, ready=2, ahead=8), updates_applied=1)
+    assert launch_room(filling, stale2) == 6
+    assert launch_room(dataclasses.replace(filling, updates_applied=2), stale2) == 2
+    assert launch_room(dataclasses.replace(filling, updates_applied=None), stale2) == 2  # caller silent: full
+    cells = [cell(0, "train", core=True), cell(1, "train"), cell(2), cell(3)]
+    filling = dataclasses.replace(view(cells, queued=8, running=6, demand=4, ahead=8), updates_applied=0)
+    assert moves(decide(filling, stale2)) == {(1, "serve")}
+    assert decide(dataclasses.replace(filling, updates_applied=2), stale2) == []
 
 
 def test_elastic_trains_everywhere_when_the_update_gates_every_rollout():

@@ -49,7 +49,7 @@ def snapshots(draw, kind: str = "elastic") -> tuple[SchedulerView, SchedulerConf
                          rollouts_pending=draw(st.booleans()), train_demand=draw(st.integers(0, 6)),
                          step_rollouts_done=draw(st.booleans()), steps_left=draw(st.none() | st.integers(0, 3)),
                          ready_microsteps=draw(st.integers(0, 4)), queued_at_apply=draw(st.integers(0, 40)),
-                         grading_groups=draw(st.integers(0, 3)))
+                         grading_groups=draw(st.integers(0, 3)), updates_applied=draw(st.none() | st.integers(0, 3)))
     return view, cfg
 
 

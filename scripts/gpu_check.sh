@@ -18,8 +18,13 @@ fail() {  # the contract: the last line is JSON even when nothing ran
 [ -x "$PY" ] || fail "no python at $PY: run scripts/install_gpu.sh or set GYRE_GPU_PYTHON"
 command -v nvidia-smi >/dev/null 2>&1 || fail "nvidia-smi not found: not a GPU machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
-"$PY" -c "import sglang, megatron.core, mooncake.engine, torch; assert torch.cuda.is_available()" >&2 \
-  || fail "the GPU environment is incomplete (sglang, megatron-core, mooncake, CUDA torch)"
+# What the stages asked for need: --no-sglang and --skip-mooncake leave those packages out.
+need=(megatron.core torch)
+[[ " $* " == *" --no-sglang "* ]] || need+=(sglang)
+[[ " $* " == *" --skip-mooncake "* ]] || need+=(mooncake.engine)
+mods="$(IFS=,; echo "${need[*]}")"
+"$PY" -c "import $mods; import torch; assert torch.cuda.is_available()" >&2 \
+  || fail "the GPU environment is incomplete (${need[*]}, CUDA torch)"
 
 # On the limit the driver gets SIGTERM: it stops the SGLang server it started and still prints
 # its JSON; 20 s later it is killed outright.

@@ -714,7 +714,8 @@ class MegatronTrainer:
                 "padded_vocab_size": self.layout.padded_vocab_size, "layer_spec": self.cfg.layer_spec}
 
     def _offload(self) -> None:
-        """CUDA only: weights, gradient buffers and Adam state to host memory while serving.
+        """Weights, gradient buffers and Adam state to host memory while serving (``stop`` calls it
+        on CUDA only; on the host it runs the same path, which the CPU tests use).
 
         Not Megatron's ``optimizer.offload_to_cpu``: it moves the optimizer's parameters by swapping
         their ``.data``, and those include the model's own float32 parameters (the norms of a bf16

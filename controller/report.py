@@ -154,13 +154,7 @@ def plot_water_level(run_dir: Path) -> None:
         cells_ax.set_ylabel("cells")
         cells_ax.set_ylim(0, max(max(serving), max(training), 1) + 0.5)
         cells_ax.legend(loc="upper right", fontsize=7)
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("executions")
-    ax.legend(loc="upper left", fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(run_dir / "water.png", dpi=100)
-    plt.close(fig)
+    _finish(fig, ax, run_dir / "water.png", xlabel="seconds since start", ylabel="executions")
 
 
 def read_run_lengths(metrics_path: Path) -> dict[int, tuple[list[float], int]]:
@@ -190,12 +184,17 @@ def plot_run_lengths(run_dir: Path) -> None:
         cut.set_ylim(0, 1)
         cut.set_ylabel("share timed out")
         cut.legend(loc="upper right", fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_ylabel("wall seconds")
+    _finish(fig, ax, run_dir / "runs.png", xlabel="step", ylabel="wall seconds")
+
+
+def _finish(fig: Any, ax: Any, path: Path, *, xlabel: str, ylabel: str) -> None:
+    """Label, legend and grid a plot with a second axis on the right, and write it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(run_dir / "runs.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

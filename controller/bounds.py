@@ -63,12 +63,26 @@ def serving_bound(trace: Trace, runs: RunSource) -> float:
     """Seconds no policy that keeps every running execution served can beat: the cells' time
     (``num_cells`` x makespan) holds every run's slot time over ``capacity_per_cell`` plus every
     microstep's ``microstep_s``, since a cell either serves or trains."""
+    held, _, training = _work(trace, runs)
+    return (held + training) / trace.cells.num_cells
+
+
+def _work(trace: Trace, runs: RunSource) -> tuple[float, float, float]:
+    """Cell-seconds of the trace's work, as the two throughput views count it: serving slots
+    (every run's ``min(launch + segments, timeout)`` over ``capacity_per_cell``), serving cells'
+    calls (their model time over ``capacity_per_cell``: a cell serves that many at full speed),
+    and training (every microstep)."""
     wl, cc = trace.workload, trace.cells
-    held = sum(min(wl.launch_s + sum(runs(f"s{step}-g{g}-e{i}", step)), wl.timeout_s)
-               for step in range(wl.steps) for g in range(wl.groups_per_step) for i in range(wl.group_size))
+    held = calls = 0.0
+    for step in range(wl.steps):
+        for g in range(wl.groups_per_step):
+            for i in range(wl.group_size):
+                segs = runs(f"s{step}-g{g}-e{i}", step)
+                held += min(wl.launch_s + sum(segs), wl.timeout_s)
+                calls += sum(segs[0::2])
     training = sum(wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
                    for step in range(wl.steps))
-    return (held / cc.capacity_per_cell + training) / cc.num_cells
+    return held / cc.capacity_per_cell, calls / cc.capacity_per_cell, training
 
 
 def _group_arrivals(graded: list[float], microsteps: int, release: Release) -> list[tuple[float, int]]:
@@ -97,7 +111,6 @@ def _train_end(arrivals: list[tuple[float, int]], previous: float, cells: int, s
     return end
 
 
-
 def throughput_what_if(trace: Trace, runs: RunSource) -> dict[str, float | int]:
     """Elastic over the best fixed split if every policy ran at its throughput: a what-if for step
     semantics in which no step waits for its slowest run (partial rollouts, a preempted tail), for
@@ -112,13 +125,8 @@ def throughput_what_if(trace: Trace, runs: RunSource) -> dict[str, float | int]:
     step chain can trail its throughput further than elastic does.
 
     Returns ``any_policy_s``, ``best_split_s``, ``best_split_cells`` and ``ratio``."""
-    wl, cc = trace.workload, trace.cells
-    durations = [runs(f"s{step}-g{g}-e{i}", step) for step in range(wl.steps)
-                 for g in range(wl.groups_per_step) for i in range(wl.group_size)]
-    held = sum(min(wl.launch_s + sum(segs), wl.timeout_s) for segs in durations) / cc.capacity_per_cell
-    calls = sum(sum(segs[0::2]) for segs in durations) / cc.capacity_per_cell  # a serving cell's calls share it
-    training = sum(wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
-                   for step in range(wl.steps))
+    cc = trace.cells
+    held, calls, training = _work(trace, runs)
     compute = (calls + training) / cc.compute_slots
     any_policy = max((held + training) / cc.num_cells, compute)
     splits = {k: max(training / min(k, cc.compute_slots), held / (cc.num_cells - k), compute)

@@ -66,6 +66,10 @@ def test_simulate_drift_predicts_a_drifting_run_from_a_stationary_one(capsys: py
     assert out["p2_4t_vs_best_async"] == drift["vs_best_async"] and out["p2_4t_vs_colocate"] == drift["vs_best_colocate"]
     assert out["p2_4t_vs_bound"] == drift["vs_bound"] and finite(out["p2_4t_ceiling_vs_best_async"])
     assert out["p2_4t_throughput_vs_best_async"] == drift["throughput_vs_best_async"]
+    # the staleness sweep: the trace's own bound is the table's row; no run beats its bound
+    sweep = out["by_staleness"]
+    assert set(sweep) == {"1", "2", "3"} and sweep["1"]["vs_best_async"] == drift["vs_best_async"]
+    assert all(v["vs_bound"] >= 1 - 1e-9 for v in sweep.values())
     cal = out["calibration"]
     assert out["calibration_in_sample"] is False and cal["fit_file"].endswith("elastic-stationary.json")
     assert cal["result_file"].endswith("elastic-drift.json") and finite(out["calibration_error"])

@@ -397,10 +397,7 @@ def summarise(results: dict[str, dict[str, Any]], *, config: dict[str, Any], lau
         "run_overhead_s_quantiles": quantiles(e["run_overhead_s"]) if e and e["run_overhead_s"] else None,
         "harness_start_s": launch_s, "grade_s": pooled(results, "shard_latency_s"),
     }
-    per_policy = {
-        k: {kk: vv for kk, vv in r.items() if kk not in (*PER_CALL_KEYS, "microstep_s")}
-        for k, r in results.items()
-    }
+    per_policy = compact_raw(results)
     return {
         # The headline: the best fixed async split in hindsight and the better colocate.
         "elastic_vs_best_async": splits.get(best_async) if best_async else None,

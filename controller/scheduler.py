@@ -29,7 +29,7 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
   cell, runs of steps past the next one start only in the slack of the cells the nearer work
   holds, and rule 3 does not count them as live work, so no cell keeps serving for work no
   update waits on (bench.simulate's staleness table: on the drifting 2.4T-like trace elastic
-  went from 0.98x / 0.96x of the best fixed split to 1.00x / 1.02x at staleness 2 / 3). Not
+  went from 0.98x / 0.96x of the best fixed split to 1.01x / 1.03x at staleness 2 / 3). Not
   while the pipeline fills (the first ``staleness`` updates): then every planned step is on the
   critical path, and holding its runs back cost short runs up to 9% (8 steps of p2_4t at
   staleness 2: 1.14x over the best split with it there, 1.24x without).

@@ -154,8 +154,8 @@ def trainer_samples(trainer: Any, n: int, prompt_len: int, new_tokens: int, seed
 
     rng = random.Random(seed)
     samples = [{"prompt": [rng.randrange(1000, 100000) for _ in range(prompt_len)],
-                "tokens": [rng.randrange(1000, 100000) for _ in range(new_tokens)], "logprobs": [0.0] * new_tokens,
-                "version": 0} for _ in range(n)]
+                "tokens": [rng.randrange(1000, 100000) for _ in range(new_tokens)], "logprobs": [0.0] * new_tokens}
+               for _ in range(n)]
     batch = pack(list(shard_from(samples, 0).sequences))
     with torch.no_grad():
         ids = batch.input_ids.to(trainer.device)

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 Outcome = Literal["finished", "timed_out", "crashed"]
-NetworkMode = Literal["proxy", "none"]
+NetworkMode = Literal["proxy", "none", "host"]
 """``proxy``: the harness reaches the Gyre proxy and nothing else (where the sandbox can enforce it);
-``none``: no network at all (graders)."""
+``none``: no network at all (graders); ``host``: the node's network (a task's ``setup_cmd`` that
+its task file says may install packages)."""
 
 
 class Task(Protocol):
@@ -49,6 +50,27 @@ class RunArtifacts:
     stdout_path: Path
     stderr_path: Path
     outcome: Outcome
+    grade_dir: Path
+    """A folder of the grader's own, outside the workspace and never visible to the harness (the
+    fresh tree the tests run in, their report, the applied patch); the grader creates it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourceLimits:
+    """What one confined command (and everything it starts) may use; 0 is no limit for that one.
+
+    Per process (rlimits, set by the sandbox's launcher inside): ``cpu_time_s``, ``file_bytes``,
+    ``open_files``, and ``memory_bytes`` as RLIMIT_DATA. Per process tree, where the node lets the
+    run make cgroups: ``processes`` (pids.max) and ``memory_bytes`` (memory.max); without cgroups
+    ``processes`` is RLIMIT_NPROC, which counts per user and never binds uid 0. ``tmp_bytes``: the
+    size of the sandbox's private ``/tmp`` and ``/dev/shm`` (bwrap)."""
+
+    processes: int
+    memory_bytes: int
+    cpu_time_s: int
+    file_bytes: int
+    open_files: int
+    tmp_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +92,14 @@ class SandboxSpec:
     proxy_socket: Path | None = None
     """With ``network=proxy`` in a sandbox with its own network: the proxy's Unix socket, which a
     relay inside exposes again as 127.0.0.1:``proxy_port``."""
+    limits: ResourceLimits | None = None
+    """Applied inside the sandbox before the command runs; None: none."""
+    started_fd: int = -1
+    """An inherited file descriptor (pass it in ``pass_fds``) the sandbox's launcher writes one byte
+    to just before it runs the command, once every limit holds: no byte means the sandbox never
+    started, a failure of the grader or the node, never of the agent. -1: not asked."""
+    image: str = ""
+    """``apptainer``: this command's image instead of ``sandbox.image`` (a task's environment)."""
 
 
 class Sandbox(Protocol):

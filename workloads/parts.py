@@ -8,10 +8,12 @@ execution it launches.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from workloads.api import HarnessAdapter, Sandbox, TaskSet
-from workloads.config import HarnessConfig, SandboxConfig, WorkloadConfig
+from workloads.config import HarnessConfig, LimitsConfig, SandboxConfig, WorkloadConfig
 from workloads.harnesses import make_harness
 from workloads.sandbox import SandboxUnavailable, make_sandbox
 from workloads.tasksets import make_taskset
@@ -24,13 +26,24 @@ class RunParts:
     taskset: TaskSet
     harness: HarnessAdapter
     sandbox: Sandbox
+    limits: LimitsConfig
+    """Each harness run's limits."""
+    cgroups: Any = None
+    """A ``workloads.sandbox.cgroups.CgroupSupport`` where the node lets the run make cgroups."""
+
+    def close(self) -> None:
+        """Remove the run's cgroups (each run's own are removed as it ends)."""
+        if self.cgroups is not None:
+            self.cgroups.cleanup()
 
 
 class PartsError(RuntimeError):
     """One line: what is missing and how to get it."""
 
 
-def build_parts(workload: WorkloadConfig, harness: HarnessConfig, sandbox: SandboxConfig) -> RunParts:
+def build_parts(workload: WorkloadConfig, harness: HarnessConfig, sandbox: SandboxConfig, *,
+                run_name: str = "") -> RunParts:
+    """``run_name`` names the run's cgroup (default: this process's id)."""
     adapter = make_harness(harness, think_time=workload.think_time)
     problem = adapter.check_installed()
     if problem:
@@ -40,4 +53,15 @@ def build_parts(workload: WorkloadConfig, harness: HarnessConfig, sandbox: Sandb
     except SandboxUnavailable as exc:
         raise PartsError(str(exc)) from None
     log.info("sandbox: %s", box.describe())
-    return RunParts(taskset=make_taskset(workload, box), harness=adapter, sandbox=box)
+    groups = None
+    if sandbox.cgroups:
+        from workloads.sandbox import cgroups
+
+        groups, why = cgroups.detect(run_name or f"pid{os.getpid()}")
+        if groups is None:
+            log.warning("sandbox: no cgroup per execution (%s): processes and memory are limited per process only",
+                        why)
+        else:
+            log.info("sandbox: %s", groups.describe())
+    taskset = make_taskset(workload, box, grader_limits=sandbox.grader_limits.resources(), cgroups=groups)
+    return RunParts(taskset=taskset, harness=adapter, sandbox=box, limits=sandbox.limits, cgroups=groups)

@@ -7,7 +7,8 @@ execution's folder and starts the pinned Claude Code (``ClaudeCodeHarness``) ins
 Unix socket; the proxy (the real ``ProxyServer`` of ``LiveProxy``, also listening on a Unix socket
 the way ``harness_proxy.main --unix-socket`` does) calls an engine double whose scripted policy
 sees only token ids; the task set is ``SweTaskSet`` over the generated pyfix rows, and grading
-writes the hidden tests into the finished workspace and runs them in the sandbox.
+applies each agent's change to a fresh copy of the template, writes the hidden tests there and
+runs them in the sandbox.
 
 The two executions are one group of two on the same task, running side by side. The policy tells
 them apart by the workspace path in each prompt (Claude Code states its working directory, and the
@@ -233,9 +234,11 @@ def test_hidden_tests_reward_a_real_fix_and_punish_a_broken_neighbour(tmp_path, 
     assert bad["reward"] == 0.0 and bad["error"] == ""
     assert set(task.fail_to_pass) <= set(bad["detail"]["passed"])  # the bug itself was fixed
     assert victim in bad["detail"]["failed"] and set(bad["detail"]["failed"]) <= set(task.pass_to_pass)
-    # The grader wrote the hidden tests into the workspace only once the run was over.
+    # The grader applied the agent's change to a fresh tree of its own: the workspace never held
+    # the hidden tests, and the change it applied is the one the agent made.
     for ex in group:
-        assert all(name in (ex.workspace / victim.split("::", 1)[0]).read_text() for name in hidden_names)
+        assert not any(name in (ex.workspace / victim.split("::", 1)[0]).read_text() for name in hidden_names)
+        assert f"modified {module}" in json.loads((ex.folder / "grade.json").read_text())["detail"]["kept"]
 
     # The proxy's records: main and sub-agent lineages, one unbroken main chain per execution.
     records = [m for m in proxy.recv_all(settle_ms=500) if isinstance(m, wire.CallRecord)]

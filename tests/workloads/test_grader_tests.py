@@ -1,10 +1,14 @@
-"""The hidden-test grader: rewards, grader failures (None, never 0), and symlinks it must not follow.
+"""The hidden-test grader: the agent's patch on a fresh tree, results from JUnit XML, who caused what.
 
-The test commands run the system's ``python3 -m pytest`` (what the sandbox shows) with no sandbox.
+The test commands run the system's pytest (Debian's python3-pytest, what every sandbox shows). Most
+tests grade with no sandbox (the sandboxes have tests of their own); the attack tests run with the
+real bwrap, each attack shown to score 1.0 with the defence that stops it turned off, so none of
+them is a no-op.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import shutil
@@ -12,19 +16,36 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from workloads.graders.tests import (
-    HiddenTests, PatchError, apply_hunks, grade_hidden_tests, parse_patch, parse_summary, score,
-)
+from controller.typed_config import build
+from workloads.config import GradingConfig, SandboxConfig, WorkloadConfig
+from workloads.graders.junit import junit_key, read_reports
+from workloads.graders.patches import PatchError, apply_hunks, parse_patch
+from workloads.graders.tests import Canary, GradeSetup, HiddenTests, grade_hidden_tests
+from workloads.sandbox.bwrap import BwrapSandbox, bwrap_problem
 from workloads.sandbox.none import NoSandbox
 
-pytestmark = pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system python3")
+ROOT = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI") == "true"
+pytestmark = pytest.mark.skipif(not IN_CI and not Path("/usr/bin/python3").exists(), reason="needs the system python3")
 
 CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a + b\n"
 FIXED_CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
 VISIBLE_TESTS = "from calc import add, sub\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 HIDDEN_TESTS = VISIBLE_TESTS + "\n\ndef test_sub():\n    assert sub(5, 3) == 2\n\n\ndef test_sub_zero():\n    assert sub(1, 0) == 1\n"
 TEST_FILE = "tests/test_calc.py"
+PLAIN_CMD = "python -m pytest -q tests/"
+
+
+def grading(**over) -> GradingConfig:
+    raw = yaml.safe_load((ROOT / "conf/workload/pyfix.yaml").read_text())
+    return dataclasses.replace(build(WorkloadConfig, raw).grading, **over)
+
+
+def grader_limits():
+    raw = yaml.safe_load((ROOT / "conf/sandbox/bwrap.yaml").read_text())
+    return build(SandboxConfig, raw).grader_limits.resources()
 
 
 def _diff(path: str, before: str, after: str) -> str:
@@ -34,16 +55,15 @@ def _diff(path: str, before: str, after: str) -> str:
 
 
 def _tests(**changes) -> HiddenTests:
-    fields = dict(task_id="calc-1", test_patch=_diff(TEST_FILE, VISIBLE_TESTS, HIDDEN_TESTS),
-                  test_cmd=f"python3 -m pytest -rA -p no:cacheprovider {TEST_FILE}",
-                  fail_to_pass=(f"{TEST_FILE}::test_sub",), pass_to_pass=(f"{TEST_FILE}::test_add",
-                                                                         f"{TEST_FILE}::test_sub_zero"))
+    fields = dict(task_id="calc-1", test_patch=_diff(TEST_FILE, VISIBLE_TESTS, HIDDEN_TESTS), test_cmd=PLAIN_CMD,
+                  fail_to_pass=(f"{TEST_FILE}::test_sub",),
+                  pass_to_pass=(f"{TEST_FILE}::test_add", f"{TEST_FILE}::test_sub_zero"))
     return HiddenTests(**{**fields, **changes})
 
 
 @pytest.fixture
-def base_tree(tmp_path: Path) -> Path:
-    base = tmp_path / "base"
+def template(tmp_path: Path) -> Path:
+    base = tmp_path / "template"
     (base / "tests").mkdir(parents=True)
     (base / "calc.py").write_text(CALC)
     (base / TEST_FILE).write_text(VISIBLE_TESTS)
@@ -51,129 +71,288 @@ def base_tree(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def workspace(tmp_path: Path, base_tree: Path) -> Path:
+def workspace(tmp_path: Path, template: Path) -> Path:
     ws = tmp_path / "ws"
-    shutil.copytree(base_tree, ws)
+    shutil.copytree(template, ws)
     return ws
 
 
-def _grade(tests: HiddenTests, workspace: Path, base_tree: Path, reward="binary", timeout_s=60.0):
-    return grade_hidden_tests(tests, workspace=workspace, base_tree=base_tree, sandbox=NoSandbox(), reward=reward,
-                              timeout_s=timeout_s)
+def _grade(tests: HiddenTests, workspace: Path, template: Path, *, reward="binary", timeout_s=60.0, sandbox=None,
+           canary: Canary | None = None, **grading_over):
+    setup = GradeSetup(sandbox=sandbox or NoSandbox(), grading=grading(**grading_over), reward=reward,
+                       limits=grader_limits())
+    return grade_hidden_tests(tests, workspace=workspace, template=template, grade_dir=workspace.parent / "grade",
+                              setup=setup, timeout_s=timeout_s, canary=canary or Canary())
 
 
-def test_fixed_workspace_scores_one_and_lists_the_tests(workspace: Path, base_tree: Path):
+# ---------------------------------------------------------------- rewards
+
+
+def test_a_fix_scores_one_through_a_plain_test_command(workspace: Path, template: Path):
     (workspace / "calc.py").write_text(FIXED_CALC)
-    result = _grade(_tests(), workspace, base_tree)
+    result = _grade(_tests(), workspace, template)
     assert result.reward == 1.0, result
     assert sorted(result.detail["passed"]) == sorted(_tests().test_ids) and result.detail["failed"] == []
-    assert "3 passed" in result.detail["log_tail"]
+    assert result.detail["kept"] == ["modified calc.py"] and result.detail["outcome"] == "reported"
+    assert "+    return a - b" in (workspace.parent / "grade" / "patch.diff").read_text()
 
 
-def test_unfixed_workspace_scores_zero_binary_and_a_share_as_fraction(workspace: Path, base_tree: Path):
-    binary = _grade(_tests(), workspace, base_tree)
+def test_no_fix_scores_zero_binary_and_a_share_as_fraction(workspace: Path, template: Path):
+    binary = _grade(_tests(), workspace, template)
     assert binary.reward == 0.0 and binary.detail["failed"] == [f"{TEST_FILE}::test_sub"]
-    fraction = _grade(_tests(), workspace, base_tree, reward="fraction")
+    assert binary.detail["canary"]["ok"] is True  # a grade below 1 stands only on a passing canary
+    fraction = _grade(_tests(), workspace, template, reward="fraction")
     assert fraction.reward == pytest.approx(2 / 3)
 
 
-def test_breaking_a_pass_to_pass_test_scores_zero(workspace: Path, base_tree: Path):
+def test_breaking_a_pass_to_pass_test_scores_zero(workspace: Path, template: Path):
     (workspace / "calc.py").write_text("def add(a, b):\n    return 0\n\n\ndef sub(a, b):\n    return a - b\n")
-    result = _grade(_tests(), workspace, base_tree)
+    result = _grade(_tests(), workspace, template)
     assert result.reward == 0.0 and f"{TEST_FILE}::test_add" in result.detail["failed"]
 
 
-def test_agent_edits_to_hidden_test_files_are_discarded(workspace: Path, base_tree: Path):
+def test_edits_to_test_files_and_their_deletion_are_dropped(workspace: Path, template: Path):
     (workspace / TEST_FILE).write_text("def test_sub():\n    pass\n\n\ndef test_add():\n    pass\n")
-    assert _grade(_tests(), workspace, base_tree).reward == 0.0
+    (workspace / "tests" / "test_extra.py").write_text("def test_more():\n    pass\n")
+    result = _grade(_tests(), workspace, template)
+    assert result.reward == 0.0
+    assert {d["path"] for d in result.detail["dropped"]} == {TEST_FILE, "tests/test_extra.py"}
+    (workspace / TEST_FILE).unlink()  # deleting the tests is dropped like editing them
+    (workspace / "calc.py").write_text(FIXED_CALC)
+    result = _grade(_tests(), workspace, template)
+    assert result.reward == 1.0 and TEST_FILE in {d["path"] for d in result.detail["dropped"]}
 
 
-def test_code_that_no_longer_imports_is_an_outcome_not_a_failure(workspace: Path, base_tree: Path):
+def test_ids_with_brackets_spaces_and_non_ascii_round_trip(workspace: Path, template: Path):
+    hidden = VISIBLE_TESTS + (
+        "\n\nimport pytest\n\n\n@pytest.mark.parametrize('x', ['a b', '[x]', 'a::b - c'])\n"
+        "def test_sub_p(x):\n    assert sub(5, 3) == 2\n\n\nclass TestCafé:\n    def test_ünï(self):\n"
+        "        assert sub(1, 1) == 0\n")
+    ids = (f"{TEST_FILE}::test_sub_p[a b]", f"{TEST_FILE}::test_sub_p[[x]]", f"{TEST_FILE}::test_sub_p[a::b - c]",
+           f"{TEST_FILE}::TestCafé::test_ünï")
+    tests = _tests(test_patch=_diff(TEST_FILE, VISIBLE_TESTS, hidden), fail_to_pass=ids,
+                   pass_to_pass=(f"{TEST_FILE}::test_add",))
+    (workspace / "calc.py").write_text(FIXED_CALC)
+    fixed = _grade(tests, workspace, template)
+    assert fixed.reward == 1.0 and sorted(fixed.detail["passed"]) == sorted((*ids, f"{TEST_FILE}::test_add")), fixed
+    (workspace / "calc.py").write_text(CALC)
+    assert sorted(_grade(tests, workspace, template).detail["failed"]) == sorted(ids)
+
+
+# ---------------------------------------------------------------- who caused it: 0 or None
+
+
+def test_code_that_no_longer_imports_is_a_collection_error_scoring_zero(workspace: Path, template: Path):
     (workspace / "calc.py").write_text("this is not python\n")
-    result = _grade(_tests(), workspace, base_tree)
+    result = _grade(_tests(), workspace, template)
     assert result.reward == 0.0 and result.error == ""
+    assert result.detail["collection_errors"] == ["tests.test_calc"]
 
 
-def test_timeout_is_a_grader_failure_and_kills_the_group(workspace: Path, base_tree: Path):
-    marker = workspace / "late"
+def test_tests_past_the_timeout_score_zero_and_the_group_is_killed(workspace: Path, template: Path):
+    marker = workspace.parent / "late"
+    (workspace / "calc.py").write_text(
+        f"import os, time\nif os.fork() == 0:\n    time.sleep(4)\n    open({str(marker)!r}, 'w').close()\n"
+        "while True:\n    time.sleep(1)\n")
     started = time.monotonic()
-    result = _grade(_tests(test_cmd=f"(sleep 1; touch {marker}) & sleep 30"), workspace, base_tree, timeout_s=0.5)
-    assert result.reward is None and "timed out" in result.error
-    assert time.monotonic() - started < 10
-    time.sleep(1.5)
-    assert not marker.exists()  # the background child died with its group
+    result = _grade(_tests(), workspace, template, timeout_s=2.0, forbidden_refs=())
+    assert result.reward == 0.0 and result.detail["outcome"] == "timeout", result
+    assert result.detail["canary"]["ok"] is True
+    assert time.monotonic() - started < 20
+    time.sleep(max(0.0, started + 5.0 - time.monotonic()))
+    assert not marker.exists()  # the forked child died with its group
 
 
-@pytest.mark.parametrize("command", ["exit 3", "python3 -m no_such_test_runner", "echo all good"])
-def test_a_command_that_reports_none_of_the_tests_is_a_grader_failure(workspace: Path, base_tree: Path, command):
-    result = _grade(_tests(test_cmd=command), workspace, base_tree)
-    assert result.reward is None and "reported none of the task's tests" in result.error
+@pytest.mark.parametrize("source", [
+    "import os\nos._exit(0)\n",                    # exits before any report
+    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",  # crashes
+])
+def test_a_test_process_that_ends_before_reporting_scores_zero(workspace: Path, template: Path, source: str):
+    (workspace / "calc.py").write_text(source)
+    result = _grade(_tests(), workspace, template, forbidden_refs=())
+    assert result.reward == 0.0 and result.detail["outcome"] == "no_report", result
 
 
-def test_grader_crash_is_a_failure_not_zero(workspace: Path, base_tree: Path):
-    result = _grade(_tests(), workspace, base_tree / "gone")
-    assert result.reward is None and "base tree missing" in result.error
-    result = _grade(_tests(test_patch=_diff("calc.py", "nothing like it\n", "x\n")), workspace, base_tree)
+def test_a_missing_test_scores_as_failed(workspace: Path, template: Path):
+    (workspace / "calc.py").write_text(FIXED_CALC)
+    result = _grade(_tests(fail_to_pass=(f"{TEST_FILE}::test_sub", f"{TEST_FILE}::test_not_there")), workspace,
+                    template)
+    assert result.reward == 0.0 and result.detail["failed"] == [f"{TEST_FILE}::test_not_there"]
+
+
+def test_a_broken_test_environment_is_excluded_never_zero(workspace: Path, template: Path):
+    """The canary (the untouched template) fails as well: the grade is not the agent's."""
+    result = _grade(_tests(test_cmd="python -m no_such_runner"), workspace, template)
+    assert result.reward is None and "canary failed" in result.error, result
+
+
+def test_a_task_environment_runs_the_tests_with_its_interpreter(workspace: Path, template: Path, tmp_path: Path):
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("#!/bin/sh\necho ran-in-env >&2\nexec /usr/bin/python3 \"$@\"\n")
+    (env / "bin" / "python").chmod(0o755)
+    (workspace / "calc.py").write_text(FIXED_CALC)
+    result = _grade(_tests(environment=env), workspace, template)
+    assert result.reward == 1.0 and "ran-in-env" in result.detail["log_tail"], result
+
+
+def test_the_graders_own_failures_are_none(workspace: Path, template: Path):
+    result = _grade(_tests(), workspace, template.parent / "gone")
+    assert result.reward is None and "template missing" in result.error
+    result = _grade(_tests(test_patch=_diff("calc.py", "nothing like it\n", "x\n")), workspace, template)
     assert result.reward is None and "grader raised PatchError" in result.error
 
 
-def test_symlinked_test_file_is_replaced_never_followed(tmp_path: Path, workspace: Path, base_tree: Path):
-    outside = tmp_path / "outside.py"
-    outside.write_text("precious\n")
-    (workspace / TEST_FILE).unlink()
-    (workspace / TEST_FILE).symlink_to(outside)
-    (workspace / "calc.py").write_text(FIXED_CALC)
-    assert _grade(_tests(), workspace, base_tree).reward == 1.0
-    assert outside.read_text() == "precious\n"
-    assert not (workspace / TEST_FILE).is_symlink() and (workspace / TEST_FILE).read_text() == HIDDEN_TESTS
+def test_a_sandbox_that_does_not_start_is_excluded(workspace: Path, template: Path):
+    class Broken(NoSandbox):
+        def wrap(self, spec):
+            return ["/bin/sh", "-c", "echo 'bwrap: Creating new namespace failed' >&2; exit 1"]
+
+    result = _grade(_tests(), workspace, template, sandbox=Broken())
+    assert result.reward is None and "did not start" in result.error
 
 
-def test_symlinked_tests_folder_is_replaced_never_followed(tmp_path: Path, workspace: Path, base_tree: Path):
+def test_a_change_past_the_limits_scores_zero(workspace: Path, template: Path):
+    for i in range(30):
+        (workspace / f"m{i}.py").write_text("x = 1\n")
+    result = _grade(_tests(), workspace, template, max_change_files=20)
+    assert result.reward == 0.0 and result.detail["outcome"] == "oversize_change"
+
+
+# ---------------------------------------------------------------- links: never followed
+
+
+def test_symlinks_in_the_workspace_are_never_part_of_the_change(tmp_path: Path, workspace: Path, template: Path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / "test_calc.py").write_text("precious\n")
+    (outside / "test_calc.py").write_text("def test_sub():\n    pass\n")
     shutil.rmtree(workspace / "tests")
     (workspace / "tests").symlink_to(outside, target_is_directory=True)
-    _grade(_tests(), workspace, base_tree)
-    assert sorted(os.listdir(outside)) == ["test_calc.py"] and (outside / "test_calc.py").read_text() == "precious\n"
-    assert (workspace / "tests").is_dir() and not (workspace / "tests").is_symlink()
+    (workspace / "calc.py").unlink()
+    (workspace / "calc.py").symlink_to(tmp_path / "elsewhere.py")
+    result = _grade(_tests(), workspace, template)
+    assert result.reward == 0.0
+    assert {d["path"] for d in result.detail["dropped"]} >= {"tests", "calc.py"}
+    assert (outside / "test_calc.py").read_text() == "def test_sub():\n    pass\n"  # untouched, never followed
 
 
-def test_new_hidden_file_under_a_symlinked_folder_stays_inside(tmp_path: Path, workspace: Path, base_tree: Path):
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    (workspace / "hidden").symlink_to(outside, target_is_directory=True)
-    patch = _diff("hidden/test_more.py", "", "def test_more():\n    pass\n")
-    _grade(_tests(test_patch=patch), workspace, base_tree)
-    assert list(outside.iterdir()) == []
-    assert (workspace / "hidden" / "test_more.py").read_text() == "def test_more():\n    pass\n"
+# ---------------------------------------------------------------- attacks, each with its defence off
+
+PASS_ALL = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+            "    outcome = yield\n    rep = outcome.get_result()\n    rep.outcome = 'passed'\n    rep.longrepr = None\n")
+OFF = dict(filter_change=False, isolate_runner=False, tripwire=False)
+"""Every layer off: what the attacks are measured against."""
 
 
-def test_parse_summary_reads_pytest_short_summary_lines():
-    log = "\n".join([
-        "tests/test_a.py::test_x PASSED  [ 50%]",  # a verbose progress line is not a summary line
-        "=========================== short test summary info ============================",
-        "PASSED tests/test_a.py::test_ok",
-        "PASSED tests/test_a.py::test_param[a b - c]",
-        "FAILED tests/test_a.py::test_bad - AssertionError: assert 1 == 2",
-        "ERROR tests/test_a.py::test_fixture - RuntimeError: boom",
-        "ERROR tests/test_b.py",
-        "XFAIL tests/test_a.py::test_known - reason",
-        "SKIPPED [1] tests/test_a.py:9: no network",
-    ])
-    assert parse_summary(log) == {
-        "tests/test_a.py::test_ok": "PASSED", "tests/test_a.py::test_param[a b - c]": "PASSED",
-        "tests/test_a.py::test_bad": "FAILED", "tests/test_a.py::test_fixture": "ERROR", "tests/test_b.py": "ERROR",
-        "tests/test_a.py::test_known": "XFAIL",
-    }
+def _rewriting_source() -> str:
+    # After pytest wrote its report: every testcase in it made a pass (an atexit handler in the
+    # module under test, which the test process imports).
+    return (FIXED_CALC.replace("return a - b", "return a + b") + "\n\nimport atexit, glob, os, re\n\n\n"
+            "def _rewrite():\n    for p in glob.glob(os.environ.get('HOME', '') + '/report/*.xml'):\n"
+            "        text = open(p).read()\n"
+            "        text = re.sub(r'<failure[^>]*>.*?</failure>', '', text, flags=re.S)\n"
+            "        open(p, 'w').write(text)\n\n\natexit.register(_rewrite)\n")
 
 
-def test_score_counts_unreported_tests_as_failed_and_xfail_as_passed():
-    tests = _tests(fail_to_pass=("t.py::a",), pass_to_pass=("t.py::b", "t.py::c"))
-    assert score(tests, {"t.py::a": "PASSED", "t.py::b": "XFAIL"}, "fraction") == (2 / 3, ["t.py::a", "t.py::b"],
-                                                                                    ["t.py::c"])
-    assert score(tests, {"t.py": "ERROR"}, "binary")[0] == 0.0  # a collection error of their file is reported
-    assert score(tests, {"other.py::x": "PASSED"}, "binary")[0] is None
+ATTACKS = {
+    # name: (files written into the workspace, the test command, layers that stop it alone)
+    "conftest_hookwrapper": ({"conftest.py": PASS_ALL}, "python3 -m pytest -q tests/", ("filter", "tripwire")),
+    "ini_plugin": ({"pytest.ini": "[pytest]\naddopts = -p evilplug\n", "evilplug.py": PASS_ALL},
+                   "python3 -m pytest -q tests/", ("filter", "isolate", "tripwire")),
+    "pyproject_plugin": ({"pyproject.toml": '[tool.pytest.ini_options]\naddopts = "-p evilplug"\n',
+                          "evilplug.py": PASS_ALL}, "python3 -m pytest -q tests/", ("filter", "isolate", "tripwire")),
+    "shadowing_pytest_py": ({"pytest.py": (
+        "import os, shlex, sys\nwhere = [a.split('=', 1)[1] for a in shlex.split(os.environ.get('PYTEST_ADDOPTS', ''))"
+        " if a.startswith('--junitxml=')][0]\nnames = ['test_add', 'test_sub', 'test_sub_zero']\n"
+        "open(where, 'w').write('<testsuites><testsuite>' + ''.join("
+        "f'<testcase classname=\"tests.test_calc\" name=\"{n}\"/>' for n in names) + '</testsuite></testsuites>')\n"
+        "sys.exit(0)\n")}, "python3 -m pytest -q tests/", ("filter", "isolate")),
+    "report_rewritten_at_exit": ({"calc.py": _rewriting_source()}, "python3 -m pytest -q tests/", ("filter", "tripwire")),
+    "sys_modules_tampering": ({"calc.py": FIXED_CALC.replace("return a - b", "return a + b") + (
+        "\n\nimport sys\n_r = sys.modules.get('_pytest.reports')\nif _r is not None:\n"
+        "    _orig = _r.TestReport.from_item_and_call\n\n"
+        "    def _passing(item, call):\n        rep = _orig(item, call)\n        rep.outcome = 'passed'\n"
+        "        rep.longrepr = None\n        return rep\n\n"
+        "    _r.TestReport.from_item_and_call = staticmethod(_passing)\n")}, "python3 -m pytest -q tests/",
+        ("filter", "tripwire")),
+}
+LAYERS = {"filter": "filter_change", "isolate": "isolate_runner", "tripwire": "tripwire"}
+
+
+@pytest.fixture(scope="module")
+def bwrap():
+    if bwrap_problem(""):
+        if IN_CI:
+            pytest.fail(f"bwrap must run in CI: {bwrap_problem('')}")
+        pytest.skip(f"bwrap cannot run here: {bwrap_problem('')}")
+    raw = yaml.safe_load((ROOT / "conf/sandbox/bwrap.yaml").read_text())
+    return BwrapSandbox(build(SandboxConfig, raw))
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_each_attack_passes_with_every_layer_off_and_fails_with_them_on(name: str, tmp_path: Path, template: Path,
+                                                                        bwrap):
+    files, command, stoppers = ATTACKS[name]
+    tests = _tests(test_cmd=command)
+
+    def attacked(label: str) -> Path:
+        ws = tmp_path / label / "ws"
+        shutil.copytree(template, ws)
+        for path, text in files.items():
+            (ws / path).write_text(text)
+        return ws
+
+    off = _grade(tests, attacked("off"), template, sandbox=bwrap, **OFF)
+    assert off.reward == 1.0, f"{name}: the attack must work with every layer off: {off}"
+    on = _grade(tests, attacked("on"), template, sandbox=bwrap)
+    assert on.reward == 0.0, f"{name}: {on}"
+    for layer in stoppers:  # each layer named stops it on its own
+        alone = {**OFF, LAYERS[layer]: True}
+        result = _grade(tests, attacked(layer), template, sandbox=bwrap, **alone)
+        assert result.reward == 0.0, f"{name} with only {layer} on: {result}"
+
+
+def test_an_atexit_printer_fools_only_a_reader_of_the_output(workspace: Path, template: Path):
+    """What a parser of pytest's ``-rA`` summary would have scored 1.0; the JUnit report says 0."""
+    lines = "".join(f"PASSED {t}\\n" for t in _tests().test_ids)
+    (workspace / "calc.py").write_text(CALC + f"\n\nimport atexit\natexit.register(lambda: print('{lines}'))\n")
+    result = _grade(_tests(), workspace, template, **OFF)
+    assert all(f"PASSED {t}" in result.detail["log_tail"] for t in _tests().test_ids)
+    assert result.reward == 0.0 and result.detail["failed"] == [f"{TEST_FILE}::test_sub"]
+
+
+def test_what_is_dropped_is_recorded_with_its_rule(workspace: Path, template: Path):
+    (workspace / "calc.py").write_text(FIXED_CALC)
+    for path, text in {"conftest.py": PASS_ALL, "sub/conftest.py": PASS_ALL, "tox.ini": "[pytest]\n",
+                       "json.py": "x = 1\n", "sitecustomize.py": "", "x.pth": "import os\n",
+                       "pkg/__init__.py": "", "pkg/json.py": "ok = 1\n", "helper.py": "import inspect\n",
+                       "setup.cfg": "[tool:pytest]\naddopts = -p evilplug\n"}.items():
+        (workspace / path).parent.mkdir(parents=True, exist_ok=True)
+        (workspace / path).write_text(text)
+    result = _grade(_tests(), workspace, template)
+    why = {d["path"]: d["why"] for d in result.detail["dropped"]}
+    assert result.reward == 1.0  # the fix stands: nothing it needs was dropped
+    assert set(why) == {"conftest.py", "sub/conftest.py", "tox.ini", "json.py", "sitecustomize.py", "x.pth",
+                        "helper.py", "setup.cfg"}, why
+    assert "shadows the module 'json'" in why["json.py"] and "inspect" in why["helper.py"]
+    assert "added pkg/json.py" in result.detail["kept"]  # inside a package: no shadowing
+
+
+# ---------------------------------------------------------------- reports and diffs
+
+
+def test_junit_keys_follow_pytests_own_mangling():
+    assert junit_key("tests/test_a.py::test_x") == ("tests.test_a", "test_x")
+    assert junit_key("tests/test_a.py::TestK::test_m[a::b - c]") == ("tests.test_a.TestK", "test_m[a::b - c]")
+    assert junit_key("t.py::test_p[[x]]") == ("t", "test_p[[x]]")
+
+
+def test_reports_with_declarations_or_over_the_budget_are_refused(tmp_path: Path):
+    (tmp_path / "a.xml").write_text('<!DOCTYPE x [<!ENTITY e "y">]><testsuites><testcase classname="c" name="n"/>'
+                                    "</testsuites>")
+    (tmp_path / "b.xml").write_text("<testsuites>" + "<testcase classname='c' name='m'/>" * 100 + "</testsuites>")
+    report = read_reports(tmp_path, max_bytes=1000)
+    assert report.num_files == 0 and len(report.problems) == 2 and report.statuses == {}
 
 
 @pytest.mark.parametrize("patch, message", [

@@ -17,12 +17,13 @@ import pytest
 from workloads.api import SandboxSpec
 from workloads.config import SandboxConfig
 from workloads.sandbox import SandboxUnavailable, make_sandbox
+from tests.workloads import sandbox_config
 from workloads.sandbox.apptainer import ApptainerSandbox
+from workloads.sandbox.launcher import INNER_SOURCE
 
 
 def _cfg(**kw) -> SandboxConfig:
-    return SandboxConfig(**{"kind": "apptainer", "binary": "/opt/apptainer/bin/apptainer", "image": "/img/t.sif",
-                            "ro_paths": (), **kw})
+    return sandbox_config("apptainer", **{"binary": "/opt/apptainer/bin/apptainer", "image": "/img/t.sif", **kw})
 
 
 def _spec(tmp_path: Path, **kw) -> SandboxSpec:
@@ -44,13 +45,18 @@ def test_harness_command_line(tmp_path):
     argv = sb.wrap(spec)
     ws = str(spec.workspace)
     assert argv[:2] == ["/opt/apptainer/bin/apptainer", "exec"]
-    assert argv[-4:] == ["/img/t.sif", "python3", "run.py", "--flag"]
-    opts = argv[2:-4]
+    image_at = argv.index("/img/t.sif")
+    # The image's python runs the launcher (limits, no setuid files) first, then the command.
+    launcher = argv[image_at + 1:argv.index("--", image_at)]
+    assert launcher[:4] == ["/usr/bin/python3", "-I", "-S", "/run/gyre/inner.py"] and "--no-setuid" in launcher
+    assert argv[-3:] == ["python3", "run.py", "--flag"]
+    opts = argv[2:image_at]
     assert {"--contain", "--pid", "--ipc"} <= set(opts)
     assert _pairs(opts, "--no-mount") == ["hostfs,bind-paths,cwd"]
     assert _pairs(opts, "--home") == [f"{home}:{home}"] and "--no-home" not in opts
     assert _pairs(opts, "--bind") == [f"{ws}:{ws}", "/shared/env:/shared/env:ro",
-                                      "/work/main/.tools/claude-code:/work/main/.tools/claude-code:ro"]
+                                      "/work/main/.tools/claude-code:/work/main/.tools/claude-code:ro",
+                                      f"{INNER_SOURCE}:/run/gyre/inner.py:ro"]
     assert _pairs(opts, "--pwd") == [ws]
     assert _pairs(opts, "--env") == ["PATH=/usr/bin:/bin"]
     # harnesses keep the host network: apptainer does not enforce proxy-only

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from workloads.api import SandboxSpec
-from workloads.config import SandboxConfig
+from tests.workloads import sandbox_config
 from workloads.sandbox import make_sandbox
 from workloads.sandbox.bwrap import BwrapSandbox, bwrap_problem
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(bwrap_problem("") != "", reason=f"bwrap cannot r
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = "/usr/bin/python3"
-CFG = SandboxConfig(kind="bwrap", binary="", image="", ro_paths=())
+CFG = sandbox_config("bwrap")
 
 HOSTILE = r'''
 import json, os, signal, socket, sys, threading, urllib.request

@@ -1,77 +1,87 @@
-"""The hidden-test grader: put a task's hidden tests into a finished workspace, run them confined, score.
+"""The hidden-test grader: the agent's patch, applied to a fresh copy of the template, tested there.
 
-After a run ends (or was killed at its timeout) the workspace is whatever the agent left. The
-grader, in order:
+A policy under RL optimises whatever this grader rewards, so everything the agent left is
+untrusted input. For one finished (or timed-out, or crashed) execution the grader:
 
-1. writes the hidden tests: every file ``test_patch`` touches is rebuilt from the task's *base
-   tree* (the workspace template, never the agent's copy) with the patch applied, as SWE-bench
-   resets test files before applying its test patch; agent edits to those files are discarded;
-2. runs ``test_cmd`` through the sandbox (``network="none"``, a minimal environment), killed with
-   its whole process group at the timeout;
-3. parses pytest's ``-rA`` short summary (``PASSED id``, ``FAILED id - msg``, ``ERROR id``,
-   ``XFAIL id - reason``) and rewards ``binary`` (1.0 when every FAIL_TO_PASS and PASS_TO_PASS
-   test passed) or ``fraction`` (the share that passed). PASSED and XFAIL count as passed, as in
-   SWE-bench; a test the summary does not name counts as failed.
+1. takes the agent's change: the workspace's difference from the task's template, file by file
+   (workloads/graders/agent_change.py; links and special files are never part of it);
+2. drops what it must not trust (workloads/graders/trust.py: test files, runner configuration,
+   import hooks, modules shadowing the runner, code reaching for the runner), recorded in
+   ``grade.json``;
+3. copies the template afresh, applies what is kept, writes the hidden tests (``test_patch``,
+   rebuilt from the template) and a *tripwire*: a test with a random name that must fail;
+4. runs the task's ``test_cmd`` there, in the sandbox with no network and the grader's limits,
+   through the grader's own ``python``/``pytest`` (workloads/graders/pytest_runner.py): pytest
+   imported before the tree is importable, the template's runner configuration (``-c``), no plugin
+   autoload, no user site, a fresh ``HOME``;
+5. reads each test's status from pytest's JUnit XML in a folder the agent never saw
+   (workloads/graders/junit.py), never from the output.
 
-Writing hidden tests is the one moment the grader writes into a folder an agent controlled, and
-an agent may have replaced ``tests/test_x.py`` or ``tests/`` by a symlink to somewhere outside.
-So the patch is applied here, in Python, never with ``git apply``: each path component is opened
-relative to its parent with ``O_NOFOLLOW``; a symlink or file where a directory should be, and
-anything at the target path, is removed (never followed) and replaced. For the same reason no git
-command runs in the workspace outside the sandbox: its ``.git/config`` is the agent's (a
-``core.fsmonitor`` there runs any command).
+Who caused an outcome decides whether it scores 0 or is excluded:
 
-Outcomes versus grader failures. A failure is ``reward=None`` (the execution is excluded, never
-scored 0): the test command could not start, ran past its timeout, the grader raised, the base
-tree is missing, or the output names none of the task's tests (nor a collection error of a file
-holding them), which is what a missing pytest, a usage error or an empty collection (pytest exit
-2-5 with nothing reported) look like. A collection error of the task's own test file *is*
-reported, and scores as failed tests: it is how a workspace whose code no longer imports looks,
-and excluding it would spare a policy that breaks the module its penalty.
+| outcome | reward |
+| --- | --- |
+| the tests ran and reported | 1 / 0 (``binary``) or the share passed (``fraction``) |
+| a named test missing from the report, a test file that does not collect | that test failed |
+| the tests ran past the timeout | 0 |
+| the test process exited or crashed before writing its report | 0 |
+| the tripwire did not fail (the report was rewritten) | 0 |
+| the change is over the grader's size or file limits | 0 |
+| the grader's sandbox did not start | None (excluded, counted) |
+| the grader raised, or the template is missing | None |
+| any reward below 1 when the canary fails | None |
 
-Known limit, shared with SWE-bench: the tests import the agent's code, so code planted in the
-workspace (a ``conftest.py``) runs inside pytest and could print summary lines; the sandbox keeps
-it inside the workspace, not honest.
+The *canary* is the untouched template graded the same way (tripwire included): its PASS_TO_PASS
+tests must pass. It runs only when a grade would be below 1, and a pass is trusted for
+``grading.canary_ttl_s``; when it fails, the test environment itself is broken (pytest missing, a
+node out of disk, a sandbox that cannot write), so the grade is excluded, never 0.
+
+Layers, and what each cannot stop (docs/grading.md has the table per attack): the filter sees
+files, so code that special-cases the tests' inputs or reaches the runner by a route no pattern
+names passes it; the runner is imported first, but the code under test runs in the same process
+afterwards and can still patch it; the tripwire catches results rewritten wholesale, not a rewrite
+aimed at exactly the hidden tests (which the agent never sees). The sandbox keeps all of it inside
+the fresh tree and the report folder, which are made for this grading alone.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import re
+import difflib
+import json
+import logging
+import secrets
+import shlex
 import shutil
-import signal
+import string
 import subprocess
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from workloads.api import GradeResult, Sandbox, SandboxSpec
+from workloads.api import GradeResult, ResourceLimits, Sandbox, SandboxSpec
+from workloads.config import GradingConfig
+from workloads.graders.agent_change import AgentChange, FileChange, collect_change
+from workloads.graders.junit import junit_key, read_reports
+from workloads.graders.patches import PatchError, TreeWriter, apply_file_patches, parse_patch
+from workloads.graders.trust import Dropped, filter_change
+from workloads.sandbox.run import run_confined
+
+log = logging.getLogger(__name__)
 
 RewardMode = Literal["binary", "fraction"]
+TestOutcome = Literal["reported", "timeout", "no_report", "tampered", "sandbox_failed"]
 
 LOG_TAIL_CHARS = 4000
-"""Characters of the test output kept in ``GradeResult.detail`` for the report."""
-MAX_LOG_BYTES = 4 << 20
-"""Only the last this many bytes of the test output are parsed (the summary is at the end)."""
-GRADER_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "LANG": "C.UTF-8",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "PYTHONNOUSERSITE": "1",
-    "PYTHONHASHSEED": "0",
-}
-"""The test command's whole environment (plus ``HOME`` = the workspace): the system's python3,
-never the controller's venv, tokens or proxy settings."""
-
-_PASS_STATUSES = ("PASSED", "XFAIL")
-_FAIL_STATUSES = ("FAILED", "ERROR", "XPASS")
-_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S.*?)\s*$")
-
-
-# ---------------------------------------------------------------- the hidden tests of one task
+"""Characters of the test output kept in ``GradeResult.detail`` for the report (never parsed)."""
+RUNNER_SOURCE = Path(__file__).with_name("pytest_runner.py")
+SYSTEM_PYTHON = "/usr/bin/python3"
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+PASSING = ("passed", "xfailed")
+"""As SWE-bench: an expected failure that fails counts as passed."""
+PYTEST_CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+"""pytest's own order of the files it takes its configuration from (``_pytest/config/findpaths.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,341 +92,316 @@ class HiddenTests:
     test_patch: str
     """A unified diff (git style, ``a/`` and ``b/`` prefixes); '' when the tests are in the repo."""
     test_cmd: str
-    """A shell command run in the workspace; it must print pytest's ``-rA`` summary."""
+    """A shell command run in the fresh tree that runs pytest (its report is the grader's)."""
     fail_to_pass: tuple[str, ...]
     pass_to_pass: tuple[str, ...]
+    environment: Path | None = None
+    """A read-only prefix (a venv) whose ``bin/python`` runs the tests; None: the system's python3."""
 
     @property
     def test_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.fail_to_pass + self.pass_to_pass))
 
-
-# ---------------------------------------------------------------- unified diffs, parsed strictly
-
-
-class PatchError(ValueError):
-    """A patch this grader cannot apply (bad syntax, binary, rename, path leaving the tree)."""
-
-
-@dataclass(frozen=True)
-class Hunk:
-    old_start: int
-    old_lines: tuple[str, ...]
-    """Each line with its ``\\n``, except a last line marked ``\\ No newline at end of file``."""
-    new_lines: tuple[str, ...]
+    @property
+    def python(self) -> str:
+        if self.environment is None:
+            return SYSTEM_PYTHON
+        for name in ("python", "python3"):
+            if (self.environment / "bin" / name).exists():
+                return str(self.environment / "bin" / name)
+        return str(self.environment / "bin" / "python")
 
 
-@dataclass(frozen=True)
-class FilePatch:
-    old_path: str | None
-    """None for a file the patch creates."""
-    new_path: str | None
-    """None for a file the patch deletes."""
-    hunks: tuple[Hunk, ...] = field(default=())
+@dataclass(frozen=True, kw_only=True)
+class GradeSetup:
+    """How a task set grades: its sandbox and settings (the same for every task of the set)."""
+
+    sandbox: Sandbox
+    grading: GradingConfig
+    reward: RewardMode
+    limits: ResourceLimits | None = None
+    cgroups: Any = None
+    """A ``workloads.sandbox.cgroups.CgroupSupport`` (None: rlimits only)."""
 
 
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+@dataclass
+class TestRun:
+    outcome: TestOutcome
+    statuses: dict[str, str] = field(default_factory=dict)
+    """Expected test id -> status, for ids the report named."""
+    collection_errors: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    elapsed_s: float = 0.0
+    log_tail: str = ""
+    why: str = ""
+    limits_hit: dict[str, int] = field(default_factory=dict)
 
 
-def parse_patch(text: str) -> list[FilePatch]:
-    """The files of a git-style unified diff, each path checked to stay inside the tree."""
-    lines = text.split("\n")
-    files: list[FilePatch] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith(("GIT binary patch", "Binary files ")):
-            raise PatchError(f"line {i + 1}: binary patches are not supported")
-        if line.startswith(("rename from ", "copy from ")):
-            raise PatchError(f"line {i + 1}: renames and copies are not supported")
-        if not line.startswith("--- "):
-            i += 1
-            continue
-        if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
-            raise PatchError(f"line {i + 1}: '---' without a '+++' line after it")
-        old_path, new_path = _diff_path(line[4:], "a/", i), _diff_path(lines[i + 1][4:], "b/", i + 1)
-        if old_path is None and new_path is None:
-            raise PatchError(f"line {i + 1}: both sides are /dev/null")
-        i += 2
-        hunks: list[Hunk] = []
-        while i < len(lines) and lines[i].startswith("@@"):
-            hunk, i = _parse_hunk(lines, i)
-            hunks.append(hunk)
-        if not hunks:
-            raise PatchError(f"line {i + 1}: {new_path or old_path}: no hunks")
-        files.append(FilePatch(old_path, new_path, tuple(hunks)))
-    if text.strip() and not files:
-        raise PatchError("no '--- a/... +++ b/...' file headers found")
-    return files
+# ---------------------------------------------------------------- grading one execution
 
 
-def _diff_path(raw: str, prefix: str, index: int) -> str | None:
-    raw = raw.split("\t", 1)[0].rstrip()
-    if raw == "/dev/null":
-        return None
-    if raw.startswith('"'):
-        raise PatchError(f"line {index + 1}: quoted paths are not supported: {raw}")
-    if not raw.startswith(prefix):
-        raise PatchError(f"line {index + 1}: want a git-style path starting {prefix!r}: {raw}")
-    return check_relative_path(raw[len(prefix):], f"line {index + 1}")
-
-
-def check_relative_path(path: str, where: str) -> str:
-    """``path`` if it names something strictly inside a tree (no '..', not absolute, not .git)."""
-    parts = PurePosixPath(path).parts
-    if (not parts or path.startswith("/") or any(p in ("..", ".") for p in path.split("/"))
-            or "\0" in path or parts[0] == ".git"):
-        raise PatchError(f"{where}: path leaves the tree or names .git: {path!r}")
-    return "/".join(parts)
-
-
-def _parse_hunk(lines: list[str], i: int) -> tuple[Hunk, int]:
-    match = _HUNK_HEADER.match(lines[i])
-    if not match:
-        raise PatchError(f"line {i + 1}: bad hunk header: {lines[i]!r}")
-    old_start = int(match.group(1))
-    old_count = int(match.group(2)) if match.group(2) is not None else 1  # "@@ -5 +5 @@": one line
-    new_count = int(match.group(4)) if match.group(4) is not None else 1
-    old: list[str] = []
-    new: list[str] = []
-    last: list[list[str]] = []
-    i += 1
-    while len(old) < old_count or len(new) < new_count:
-        if i >= len(lines):
-            raise PatchError(f"line {i}: hunk ends early (want -{old_count} +{new_count} lines)")
-        line = lines[i]
-        tag, body = (line[:1], line[1:]) if line else (" ", "")  # an empty line is blank context
-        if tag == " ":
-            old.append(body + "\n")
-            new.append(body + "\n")
-            last = [old, new]
-        elif tag == "-":
-            old.append(body + "\n")
-            last = [old]
-        elif tag == "+":
-            new.append(body + "\n")
-            last = [new]
-        elif tag == "\\":
-            _strip_newline(last)
-        else:
-            raise PatchError(f"line {i + 1}: unexpected line in a hunk: {line[:60]!r}")
-        i += 1
-    if i < len(lines) and lines[i].startswith("\\"):
-        _strip_newline(last)
-        i += 1
-    if len(old) != old_count or len(new) != new_count:
-        raise PatchError(f"line {i}: hunk line counts do not match its header")
-    return Hunk(old_start, tuple(old), tuple(new)), i
-
-
-def _strip_newline(sides: list[list[str]]) -> None:
-    for side in sides:
-        side[-1] = side[-1].removesuffix("\n")
-
-
-def apply_hunks(original: str, hunks: tuple[Hunk, ...], where: str) -> str:
-    """``original`` with the hunks applied: each at its line, or at the nearest exact match."""
-    lines = split_lines(original)
-    out: list[str] = []
-    pos = 0
-    for hunk in hunks:
-        want = max(hunk.old_start - 1, 0) if hunk.old_lines else hunk.old_start
-        at = _find(lines, hunk.old_lines, want, pos)
-        if at is None:
-            raise PatchError(f"{where}: hunk at line {hunk.old_start} does not match the base file")
-        out.extend(lines[pos:at])
-        out.extend(hunk.new_lines)
-        pos = at + len(hunk.old_lines)
-    out.extend(lines[pos:])
-    return "".join(out)
-
-
-def split_lines(text: str) -> list[str]:
-    """Lines with their ``\\n`` (only ``\\n`` splits, as in diff)."""
-    parts = text.split("\n")
-    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-
-
-def _find(lines: list[str], block: tuple[str, ...], want: int, start: int) -> int | None:
-    n = len(block)
-    candidates = range(start, len(lines) - n + 1)
-    for at in sorted(candidates, key=lambda k: abs(k - want)):
-        if tuple(lines[at:at + n]) == block:
-            return at
-    return None
-
-
-# ---------------------------------------------------------------- writing inside a workspace only
-
-
-def write_hidden_tests(files: list[FilePatch], *, workspace: Path, base_tree: Path) -> None:
-    """Rebuild each patched file from ``base_tree`` and write it into ``workspace``, never through
-    a symlink: see the module docstring."""
-    root_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+def grade_hidden_tests(tests: HiddenTests, *, workspace: Path, template: Path, grade_dir: Path, setup: GradeSetup,
+                       timeout_s: float, canary: Canary) -> GradeResult:
+    """Grade ``workspace``'s change against ``template`` (see the module docstring). Never raises."""
+    started = time.monotonic()
     try:
-        for fp in files:
-            path = fp.new_path or fp.old_path
-            assert path is not None
-            if fp.new_path is None:
-                _remove_in(root_fd, path)
-                continue
-            if fp.old_path is None:
-                original, mode = "", 0o644
-            else:
-                source = base_tree / fp.old_path
-                original = source.read_bytes().decode("utf-8", errors="surrogateescape")
-                mode = source.stat().st_mode & 0o777
-            text = apply_hunks(original, fp.hunks, path)
-            _write_in(root_fd, path, text.encode("utf-8", errors="surrogateescape"), mode)
+        if not template.is_dir():
+            return GradeResult(reward=None, error=f"{tests.task_id}: template missing: {template}")
+        if not workspace.is_dir():  # nothing the agent could have removed: the execution folder is ours
+            return GradeResult(reward=None, error=f"{tests.task_id}: workspace missing: {workspace}")
+        grade_dir.mkdir(parents=True, exist_ok=True)
+        g = setup.grading
+        change = collect_change(workspace, template, max_file_bytes=g.max_file_bytes, max_entries=g.max_change_files)
+        rebuilt = {fp.new_path or fp.old_path for fp in parse_patch(tests.test_patch)}
+        kept, dropped = filter_change(change.files, g, template=template, rebuilt=rebuilt)  # type: ignore[arg-type]
+        detail: dict[str, Any] = {
+            "kept": [f"{c.kind} {c.path}" for c in kept],
+            "dropped": [{"path": d.path, "why": d.why} for d in dropped]
+            + [{"path": r.path, "why": r.why} for r in change.refused],
+        }
+        _write_patch(grade_dir / "patch.diff", kept, template)
+        too_big = _over_limits(change, kept, g)
+        if too_big:
+            return _final(tests, GradeResult(reward=0.0, detail={**detail, "outcome": "oversize_change",
+                                                                 "why": too_big}), started)
+        run = run_tests(tests, kept, template=template, folder=grade_dir / "run", setup=setup, timeout_s=timeout_s)
+        value, passed, failed = score(tests, run, setup.reward)
+        detail.update(outcome=run.outcome, passed=passed, failed=failed, exit_code=run.exit_code,
+                      collection_errors=run.collection_errors, test_s=round(run.elapsed_s, 3),
+                      log_tail=run.log_tail[-LOG_TAIL_CHARS:], limits_hit=run.limits_hit)
+        if run.why:
+            detail["why"] = run.why
+        if value is None:
+            return _final(tests, GradeResult(reward=None, detail=detail, error=f"{tests.task_id}: {run.why}"), started)
+        if value < 1.0:
+            ok, why, age_s = canary.check(tests, template=template, scratch=grade_dir / "canary", setup=setup,
+                                          timeout_s=timeout_s)
+            detail["canary"] = {"ok": ok, "age_s": round(age_s, 1), **({"why": why} if why else {})}
+            if not ok:
+                return _final(tests, GradeResult(reward=None, detail=detail, error=(
+                    f"{tests.task_id}: the canary failed ({why}): the test environment is broken, so this "
+                    f"{run.outcome} grade is not the agent's")), started)
+        return _final(tests, GradeResult(reward=value, detail=detail), started)
+    except Exception as exc:  # a grader bug must exclude the execution, not score it 0
+        log.exception("%s: grader raised", tests.task_id)
+        return GradeResult(reward=None, error=f"{tests.task_id}: grader raised {type(exc).__name__}: {exc}")
     finally:
-        os.close(root_fd)
+        shutil.rmtree(grade_dir / "run" / "tree", ignore_errors=True)
+        shutil.rmtree(grade_dir / "canary", ignore_errors=True)
 
 
-def _write_in(root_fd: int, path: str, data: bytes, mode: int) -> None:
-    *parents, name = path.split("/")
-    dir_fd = _open_dirs(root_fd, parents)
-    try:
-        _remove_entry(dir_fd, name)
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
-        try:
-            _check_inside(root_fd, fd, path)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    finally:
-        os.close(dir_fd)
+def _final(tests: HiddenTests, result: GradeResult, started: float) -> GradeResult:
+    result.detail["grade_s"] = round(time.monotonic() - started, 3)
+    return result
 
 
-def _remove_in(root_fd: int, path: str) -> None:
-    *parents, name = path.split("/")
-    dir_fd = _open_dirs(root_fd, parents)
-    try:
-        _remove_entry(dir_fd, name)
-    finally:
-        os.close(dir_fd)
+def _over_limits(change: AgentChange, kept: list[FileChange], g: GradingConfig) -> str:
+    if change.overflow:
+        return change.overflow
+    if len(kept) > g.max_change_files:
+        return f"{len(kept)} files changed, over grading.max_change_files {g.max_change_files}"
+    size = sum(len(c.data) for c in kept)
+    if size > g.max_change_bytes:
+        return f"{size} bytes changed, over grading.max_change_bytes {g.max_change_bytes}"
+    return ""
 
 
-def _open_dirs(root_fd: int, parts: list[str]) -> int:
-    """A new fd of ``root/parts...``, each component a real directory (made so when it is not)."""
-    fd = os.dup(root_fd)
-    for name in parts:
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-        try:
-            next_fd = os.open(name, flags, dir_fd=fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                os.close(fd)
-                raise
-            _remove_entry(fd, name)  # a symlink or a file where a directory belongs: replaced
-            os.mkdir(name, 0o755, dir_fd=fd)
-            next_fd = os.open(name, flags, dir_fd=fd)
-        os.close(fd)
-        fd = next_fd
-    return fd
-
-
-def _remove_entry(dir_fd: int, name: str) -> None:
-    """Remove whatever ``name`` is in ``dir_fd`` (a symlink is unlinked, never followed)."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if os.path.stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=dir_fd)  # symlink-attack safe on Linux (rmtree.avoids_symlink_attacks)
-    else:
-        os.unlink(name, dir_fd=dir_fd)
-
-
-def _check_inside(root_fd: int, fd: int, path: str) -> None:
-    # The walk above cannot leave the root; this says so again from the kernel's view of both fds.
-    root = os.readlink(f"/proc/self/fd/{root_fd}")
-    real = os.readlink(f"/proc/self/fd/{fd}")
-    if not real.startswith(root.rstrip("/") + "/"):
-        raise PatchError(f"{path}: resolved outside the workspace ({real})")
-
-
-# ---------------------------------------------------------------- running and scoring
-
-
-def parse_summary(log: str) -> dict[str, str]:
-    """Test id -> status from pytest's ``-rA`` short summary lines (the last status wins)."""
-    statuses: dict[str, str] = {}
-    for line in log.splitlines():
-        match = _SUMMARY_LINE.match(line)
-        if not match:
-            continue
-        status, rest = match.groups()
-        test_id = rest if status == "PASSED" else rest.split(" - ", 1)[0].rstrip()
-        statuses[test_id] = status
-    return statuses
-
-
-def score(tests: HiddenTests, statuses: dict[str, str], reward: RewardMode) -> tuple[float | None, list[str], list[str]]:
-    """(reward or None when nothing of the task was reported, passed ids, failed ids)."""
-    files = {t.split("::", 1)[0] for t in tests.test_ids}
-    collection_errors = {t for t, s in statuses.items() if s == "ERROR" and t in files}
-    passed = [t for t in tests.test_ids if statuses.get(t) in _PASS_STATUSES]
+def score(tests: HiddenTests, run: TestRun, reward: RewardMode) -> tuple[float | None, list[str], list[str]]:
+    """(reward, or None for the grader's own failure; passed ids; failed ids)."""
+    if run.outcome == "sandbox_failed":
+        return None, [], list(tests.test_ids)
+    passed = [t for t in tests.test_ids if run.statuses.get(t) in PASSING] if run.outcome == "reported" else []
     failed = [t for t in tests.test_ids if t not in passed]
-    if not collection_errors and not any(t in statuses for t in tests.test_ids):
-        return None, passed, failed
+    if run.outcome != "reported":
+        return 0.0, passed, failed
     if reward == "binary":
         return float(not failed), passed, failed
     return len(passed) / len(tests.test_ids), passed, failed
 
 
-def grade_hidden_tests(tests: HiddenTests, *, workspace: Path, base_tree: Path, sandbox: Sandbox,
-                       reward: RewardMode, timeout_s: float) -> GradeResult:
-    """Write the hidden tests into ``workspace``, run them in ``sandbox``, score. Never raises."""
-    try:
-        if not workspace.is_dir():
-            return GradeResult(reward=None, error=f"{tests.task_id}: workspace missing: {workspace}")
-        if not base_tree.is_dir():
-            return GradeResult(reward=None, error=f"{tests.task_id}: base tree missing: {base_tree}")
-        write_hidden_tests(parse_patch(tests.test_patch), workspace=workspace, base_tree=base_tree)
-        exit_code, log, elapsed_s = _run(tests.test_cmd, workspace=workspace, sandbox=sandbox, timeout_s=timeout_s)
-    except Exception as exc:  # a grader bug must exclude the execution, not score it 0
-        return GradeResult(reward=None, error=f"{tests.task_id}: grader raised {type(exc).__name__}: {exc}")
-    tail = log[-LOG_TAIL_CHARS:]
-    if exit_code is None:
-        return GradeResult(reward=None, error=f"{tests.task_id}: hidden tests timed out after {timeout_s:g}s",
-                           detail={"log_tail": tail})
-    value, passed, failed = score(tests, parse_summary(log), reward)
-    detail = {"passed": passed, "failed": failed, "exit_code": exit_code, "elapsed_s": round(elapsed_s, 3),
-              "log_tail": tail}
-    if value is None:
-        return GradeResult(reward=None, detail=detail, error=(
-            f"{tests.task_id}: the test command reported none of the task's tests (exit {exit_code})"))
-    return GradeResult(reward=value, detail=detail)
+# ---------------------------------------------------------------- one test run in a fresh tree
 
 
-def _run(command: str, *, workspace: Path, sandbox: Sandbox, timeout_s: float) -> tuple[int | None, str, float]:
-    """(exit code or None at the timeout, the output's tail, seconds)."""
-    spec = SandboxSpec(argv=["/bin/sh", "-c", command], workspace=workspace,
-                       env={**GRADER_ENV, "HOME": str(workspace)}, network="none")
-    argv = sandbox.wrap(spec)
-    started = time.monotonic()
-    # The output goes to an unnamed file outside the workspace: no pipe to fill, nothing to tamper with.
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(argv, cwd=workspace, env=spec.env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+def run_tests(tests: HiddenTests, change: list[FileChange], *, template: Path, folder: Path, setup: GradeSetup,
+              timeout_s: float) -> TestRun:
+    """Build ``folder/tree`` (template + ``change`` + hidden tests + tripwire), run the tests there."""
+    shutil.rmtree(folder, ignore_errors=True)
+    tree, ro, home = folder / "tree", folder / "ro", folder / "home"
+    report_dir = home / "report"
+    for d in (ro / "bin", report_dir):
+        d.mkdir(parents=True)
+    _copy_tree(template, tree)
+    with TreeWriter(tree) as out:
+        for c in change:
+            if c.kind == "deleted":
+                out.remove(c.path)
+            else:
+                out.write(c.path, c.data, 0o755 if c.executable else 0o644)
+    apply_file_patches(parse_patch(tests.test_patch), tree=tree, base_tree=template)
+    g = setup.grading
+    tripwire = _plant_tripwire(tests, tree) if g.tripwire else ""
+    env = _environment(tests, g, tree=tree, ro=ro, home=home, report_dir=report_dir, template=template)
+    ro_paths = (ro, *([tests.environment] if tests.environment is not None else ()))
+    spec = SandboxSpec(argv=["/bin/sh", "-c", tests.test_cmd], workspace=tree, env=env, home=home, ro_paths=ro_paths,
+                       network="none", limits=setup.limits)
+    ran = run_confined(setup.sandbox, spec, timeout_s=timeout_s, output=folder / "output.log", cgroups=setup.cgroups,
+                       cgroup_name=f"grade-{secrets.token_hex(6)}")
+    run = TestRun(outcome="reported", exit_code=ran.exit_code, elapsed_s=ran.elapsed_s, log_tail=ran.output_tail,
+                  limits_hit=ran.limits_hit)
+    if not ran.started:
+        run.outcome, run.why = "sandbox_failed", f"the grader's sandbox did not start: {ran.output_tail[-300:].strip()}"
+        return run
+    if ran.exit_code is None:
+        run.outcome, run.why = "timeout", f"the tests ran past the grader's timeout of {timeout_s:g}s"
+        return run
+    report = read_reports(report_dir, max_bytes=g.max_report_bytes)
+    if report.num_files == 0:
+        run.outcome = "no_report"
+        run.why = (f"the test process ended (exit {ran.exit_code}) without writing a report"
+                   + (f"; refused: {'; '.join(report.problems)}" if report.problems else ""))
+        return run
+    run.collection_errors = report.collection_errors
+    run.statuses = {t: report.statuses[junit_key(t)] for t in tests.test_ids if junit_key(t) in report.statuses}
+    if tripwire:
+        status = report.statuses.get(junit_key(tripwire), "missing")
+        if status != "failed":
+            run.outcome = "tampered"
+            run.why = f"the tripwire test {tripwire} must fail and is {status}: the report was rewritten"
+    return run
+
+
+def _copy_tree(template: Path, tree: Path) -> None:
+    subprocess.run(["cp", "-a", "--reflink=auto", str(template), str(tree)], check=True, capture_output=True)
+
+
+def _plant_tripwire(tests: HiddenTests, tree: Path) -> str:
+    """Append a test that must fail to the file of the first FAIL_TO_PASS test; its node id."""
+    target = tests.fail_to_pass[0].split("::", 1)[0]
+    path = tree / target
+    if not path.is_file() or path.is_symlink():
+        return ""  # the test file is not there: nothing of the task can pass either
+    name = "test_" + "".join(secrets.choice(string.ascii_lowercase) for _ in range(10))
+    text = path.read_bytes()
+    text += b"" if text.endswith(b"\n") or not text else b"\n"
+    text += f"\n\ndef {name}():\n    assert False, {name!r}\n".encode()
+    with TreeWriter(tree) as out:
+        out.write(target, text, path.stat().st_mode)
+    return f"{target}::{name}"
+
+
+def _environment(tests: HiddenTests, g: GradingConfig, *, tree: Path, ro: Path, home: Path, report_dir: Path,
+                 template: Path) -> dict[str, str]:
+    env_bin = f"{tests.environment}/bin:" if tests.environment is not None else ""
+    env = {"PATH": f"{env_bin}{SYSTEM_PATH}", "HOME": str(home), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONHASHSEED": "0"}
+    fallback_report = shlex.quote(f"--junitxml={report_dir}/junit-addopts.xml")
+    if not g.isolate_runner:  # the tests' own pytest, the tree's configuration: only the report is ours
+        env["PYTEST_ADDOPTS"] = f"{fallback_report} -p no:cacheprovider"
+        shim = ro / "bin" / "python"  # a plain `python` still means the task's interpreter (Debian has none)
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(tests.python)} "$@"\n')
+        shim.chmod(0o755)
+        env["PATH"] = f"{ro / 'bin'}:{env['PATH']}"
+        return env
+    ini = _runner_config(template, ro)
+    shutil.copyfile(RUNNER_SOURCE, ro / "pytest_runner.py")
+    settings = ro / "runner.json"
+    settings.write_text(json.dumps({"report_dir": str(report_dir), "ini": str(ini), "rootdir": str(tree),
+                                    "isolate": True}))
+    run_pytest = f'exec {shlex.quote(tests.python)} -s -B {shlex.quote(str(ro / "pytest_runner.py"))} {shlex.quote(str(settings))} "$@"'
+    shims = {
+        "python": f'if [ "$1" = -m ] && {{ [ "$2" = pytest ] || [ "$2" = py.test ]; }}; then shift 2; {run_pytest}; fi\n'
+                  f'exec {shlex.quote(tests.python)} "$@"',
+        "pytest": run_pytest,
+    }
+    shims["python3"], shims["py.test"] = shims["python"], shims["pytest"]
+    for name, body in shims.items():
+        shim = ro / "bin" / name
+        shim.write_text(f"#!/bin/sh\n# The grader's {name}: pytest runs through its runner (pytest_runner.py).\n{body}\n")
+        shim.chmod(0o755)
+    env.update({
+        "PATH": f"{ro / 'bin'}:{env['PATH']}", "PYTHONNOUSERSITE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        # For a test_cmd that calls an interpreter by its full path: the same options, from pytest's own variable.
+        "PYTEST_ADDOPTS": " ".join(["-c", shlex.quote(str(ini)), shlex.quote(f"--rootdir={tree}"),
+                                    "-p no:cacheprovider", fallback_report]),
+    })
+    return env
+
+
+def _runner_config(template: Path, ro: Path) -> Path:
+    """The template's own pytest configuration, copied where the test process cannot write (the
+    first file pytest would take at the tree's root), or an empty ``pytest.ini``."""
+    for name in PYTEST_CONFIG_FILES:
+        source = template / name
+        if not source.is_file() or source.is_symlink():
+            continue
+        text = source.read_text("utf-8", errors="replace")
+        holds = {"pyproject.toml": "[tool.pytest.ini_options]", "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}
+        if name in holds and holds[name] not in text:
+            continue
+        shutil.copyfile(source, ro / name)
+        return ro / name
+    (ro / "pytest.ini").write_text("[pytest]\n")
+    return ro / "pytest.ini"
+
+
+def _write_patch(path: Path, kept: list[FileChange], template: Path) -> None:
+    """The kept change as a unified diff (for people; the grader applies the files themselves)."""
+    chunks: list[str] = []
+    for c in kept:
+        old_path = template / c.path
+        old = old_path.read_bytes() if c.kind != "added" and old_path.is_file() else b""
+        new = c.data if c.kind != "deleted" else b""
         try:
-            exit_code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            exit_code = None
-        finally:
-            _kill_group(proc)
-        size = out.seek(0, os.SEEK_END)
-        out.seek(max(0, size - MAX_LOG_BYTES))
-        log = out.read().decode("utf-8", errors="replace")
-    return exit_code, log, time.monotonic() - started
+            a, b = old.decode("utf-8").splitlines(True), new.decode("utf-8").splitlines(True)
+        except UnicodeDecodeError:
+            chunks.append(f"Binary files a/{c.path} and b/{c.path} differ\n")
+            continue
+        chunks.extend(difflib.unified_diff(a, b, f"a/{c.path}" if c.kind != "added" else "/dev/null",
+                                           f"b/{c.path}" if c.kind != "deleted" else "/dev/null"))
+    path.write_text("".join(chunks), encoding="utf-8")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    # Also after a normal exit: a test may have left a child running in the group.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
-        pass
-    proc.wait()
+# ---------------------------------------------------------------- the canary
+
+
+class Canary:
+    """Whether the test environment works, per task: the untouched template's tests, graded the
+    same way, pass their PASS_TO_PASS (with none, report every FAIL_TO_PASS) and trip the tripwire.
+    A pass is remembered for ``grading.canary_ttl_s``; a failure is never remembered."""
+
+    def __init__(self) -> None:
+        self._passed_at: dict[str, float] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def check(self, tests: HiddenTests, *, template: Path, scratch: Path, setup: GradeSetup,
+              timeout_s: float) -> tuple[bool, str, float]:
+        """(ok, why not, seconds since the canary that vouches for this grade ran)."""
+        with self._guard:
+            lock = self._locks.setdefault(tests.task_id, threading.Lock())
+        with lock:  # one canary per task at a time: the others wait for its verdict
+            at = self._passed_at.get(tests.task_id)
+            if at is not None and time.monotonic() - at <= setup.grading.canary_ttl_s:
+                return True, "", time.monotonic() - at
+            try:
+                run = run_tests(tests, [], template=template, folder=scratch, setup=setup, timeout_s=timeout_s)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            why = canary_problem(tests, run)
+            if not why:
+                self._passed_at[tests.task_id] = time.monotonic()
+            return not why, why, 0.0
+
+
+def canary_problem(tests: HiddenTests, run: TestRun) -> str:
+    if run.outcome != "reported":
+        return run.why or run.outcome
+    if tests.pass_to_pass:
+        broken = [t for t in tests.pass_to_pass if run.statuses.get(t) not in PASSING]
+        return f"PASS_TO_PASS tests not passing on the untouched template: {broken[:5]}" if broken else ""
+    missing = [t for t in tests.fail_to_pass if t not in run.statuses]
+    return f"tests not reported on the untouched template: {missing[:5]}" if missing else ""
+
+
+__all__ = ["Canary", "GradeSetup", "HiddenTests", "PatchError", "TestRun", "Dropped", "grade_hidden_tests",
+           "run_tests", "score"]

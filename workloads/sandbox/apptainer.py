@@ -20,6 +20,9 @@ What apptainer enforces then:
   ``network=none`` (graders) adds ``--net --network none`` where this site lets this user create a
   network namespace (probed once, see ``net_none_problem``); elsewhere graders fall back to the
   host's network too. ``describe()`` says which holds.
+- Limits: the launcher (workloads/sandbox/inner.py, bound read-only, run by the image's
+  ``/usr/bin/python3``) sets the rlimits, ``no_new_privs`` and the no-setuid seccomp filter first;
+  ``/tmp`` has no size limit (apptainer's ``--contain`` makes it on the host).
 - Environment: exactly the environment apptainer is started with (Popen it with ``env=spec.env``),
   plus apptainer's own ``APPTAINER_*`` variables; ``PATH`` is set with ``--env``, as apptainer does
   not carry the host's PATH in. ``--cleanenv`` (and so ``--containall``) is not used: it would force
@@ -43,8 +46,10 @@ from pathlib import Path
 from workloads.api import SandboxSpec
 from workloads.config import SandboxConfig
 from workloads.sandbox import SandboxUnavailable
+from workloads.sandbox.launcher import INNER_SOURCE, inner_argv
 
 NO_MOUNT = "hostfs,bind-paths,cwd"
+INNER_INSIDE = "/run/gyre/inner.py"
 PROBE_TIMEOUT_S = 120.0  # a first run may unpack a .sif
 
 
@@ -118,7 +123,7 @@ class ApptainerSandbox:
         argv += ["--bind", f"{ws}:{ws}"]
         for path in ro_paths:
             argv += ["--bind", f"{path}:{path}:ro"]
-        argv += ["--pwd", ws]
+        argv += ["--bind", f"{INNER_SOURCE}:{INNER_INSIDE}:ro", "--pwd", ws]
         path_var = spec.env.get("PATH")
         if path_var:
             if "," in path_var:
@@ -126,7 +131,8 @@ class ApptainerSandbox:
             argv += ["--env", f"PATH={path_var}"]
         if spec.network == "none" and self.isolated_net:
             argv += ["--net", "--network", "none"]
-        return [*argv, self.image, *spec.argv]
+        launcher = inner_argv("/usr/bin/python3", INNER_INSIDE, spec, nproc=False)
+        return [*argv, spec.image or self.image, *launcher, *spec.argv]
 
     def describe(self) -> str:
         graders = ("graders without network (--net --network none)" if self.isolated_net else

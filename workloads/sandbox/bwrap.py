@@ -43,12 +43,14 @@ from pathlib import Path
 
 from workloads.api import SandboxSpec
 from workloads.config import SandboxConfig
+from workloads.sandbox.launcher import INNER_SOURCE, inner_argv
 
 SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-")
 RELAY_SOURCE = Path(__file__).with_name("relay.py")
 RELAY_PYTHON = "/usr/bin/python3"
 RELAY_INSIDE = "/run/gyre/relay.py"
+INNER_INSIDE = "/run/gyre/inner.py"
 SOCKET_DIR_INSIDE = "/run/gyre/proxy"
 TMPFS_HOME = "/home/sandbox"
 PROBE_TIMEOUT_S = 20.0
@@ -95,10 +97,12 @@ class BwrapSandbox:
         """
         ro_paths = (*self.ro_paths, *spec.ro_paths)
         _check_paths(spec.workspace, *ro_paths, *([spec.home] if spec.home else []))
-        argv = [self.binary, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+        tmp_size = ["--size", str(spec.limits.tmp_bytes)] if spec.limits is not None and spec.limits.tmp_bytes else []
+        net = [] if spec.network == "host" else ["--unshare-net"]
+        argv = [self.binary, "--unshare-pid", "--unshare-ipc", "--unshare-uts", *net,
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--hostname", "gyre-sandbox", *_system_mounts(),
-                "--tmpfs", "/tmp", "--bind", str(spec.workspace), str(spec.workspace)]
+                "--hostname", "gyre-sandbox", *_system_mounts(), *tmp_size, "--tmpfs", "/dev/shm",
+                *tmp_size, "--tmpfs", "/tmp", "--bind", str(spec.workspace), str(spec.workspace)]
         if spec.home is not None:
             argv += ["--bind", str(spec.home), str(spec.home), "--setenv", "HOME", str(spec.home)]
         else:  # an empty private home; HOME points there unless spec.env chose one (a grader: its workspace)
@@ -114,12 +118,17 @@ class BwrapSandbox:
             argv += ["--ro-bind", str(RELAY_SOURCE), RELAY_INSIDE,
                      "--ro-bind", str(spec.proxy_socket.parent), SOCKET_DIR_INSIDE]
             command = [RELAY_PYTHON, "-I", "-S", RELAY_INSIDE, str(spec.proxy_port), socket_inside, *command]
-        return [*argv, "--remount-ro", "/", "--chdir", str(spec.workspace), "--", *command]
+        # RLIMIT_NPROC counts per user: inside the user namespace an unprivileged bwrap makes, that
+        # is this sandbox's processes only (uid 0 never makes one, and the kernel exempts it anyway).
+        launcher = inner_argv(RELAY_PYTHON, INNER_INSIDE, spec, nproc=True)
+        argv += ["--ro-bind", str(INNER_SOURCE), INNER_INSIDE]
+        return [*argv, "--remount-ro", "/", "--chdir", str(spec.workspace), "--", *launcher, *command]
 
     def describe(self) -> str:
-        return (f"sandbox=bwrap ({self.binary}): read-only system, writable workspace and home, private /tmp, "
-                "PID/IPC/UTS/network namespaces, no capabilities, killed with its parent; the harness "
-                "reaches only the proxy (a relay on 127.0.0.1 to its Unix socket), graders no network")
+        return (f"sandbox=bwrap ({self.binary}): read-only system, writable workspace and home, private /tmp and "
+                "/dev/shm of a set size, PID/IPC/UTS/network namespaces, no capabilities, no new privileges, "
+                "nosuid binds, no setuid/setgid file can be made (seccomp), rlimits, killed with its parent; "
+                "the harness reaches only the proxy (a relay on 127.0.0.1 to its Unix socket), graders no network")
 
 
 def _system_mounts() -> list[str]:

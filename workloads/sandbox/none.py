@@ -1,16 +1,23 @@
-"""``sandbox=none``: no confinement, only cwd and a clean environment. For debugging; logged loudly."""
+"""``sandbox=none``: no confinement, only cwd, a clean environment and the launcher's limits. Logged loudly."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from workloads.api import SandboxSpec
+from workloads.sandbox.launcher import INNER_SOURCE, inner_argv
+
+SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 class NoSandbox:
     kind = "none"
 
     def wrap(self, spec: SandboxSpec) -> list[str]:
-        return list(spec.argv)
+        python = SYSTEM_PYTHON if os.access(SYSTEM_PYTHON, os.X_OK) else sys.executable
+        return [*inner_argv(python, str(INNER_SOURCE), spec, nproc=False), *spec.argv]
 
     def describe(self) -> str:
         return ("SANDBOX OFF (sandbox=none): harnesses run as this user with every file, process and "
-                "address of this node in reach")
+                "address of this node in reach (rlimits and the no-setuid filter still apply)")

@@ -8,20 +8,27 @@ publish, so their files load unchanged once the repositories are local:
   ``astropy/astropy`` finds a clone kept at ``<task file folder>/astropy/astropy``),
   ``base_commit``, ``FAIL_TO_PASS`` and ``PASS_TO_PASS`` (lists of test ids, or SWE-bench's
   strings holding a JSON list; FAIL_TO_PASS not empty);
-- optional: ``test_cmd`` (a shell command printing pytest's ``-rA`` summary; default
-  ``python3 -m pytest -rA -p no:cacheprovider`` on the files of the test ids), ``test_patch``
-  (the hidden tests, a git-style diff applied at grading), ``setup_cmd`` (run once in the
-  workspace template), ``timeout_s`` (the grader's, instead of ``grader_timeout_s``), ``patch``
-  (the gold patch, used by ``python -m workloads.validate``);
+- optional: ``test_cmd`` (a shell command that runs pytest, such as ``python -m pytest -q tests/``;
+  default ``python -m pytest -q`` on the files of the test ids; the grader reads its JUnit report,
+  never its output), ``test_patch`` (the hidden tests, a git-style diff applied at grading),
+  ``setup_cmd`` (run once in the workspace template, in the sandbox), ``setup_network`` (true: the
+  setup command may reach the network; default the task set's ``grading.setup_network``),
+  ``environment`` (a folder, a virtualenv or prefix, every sandbox of the task sees read-only, its
+  ``bin/`` first on ``PATH``; or an apptainer image ``.sif`` for ``sandbox=apptainer``; relative to the
+  task file's folder; default the task set's ``grading.environment``), ``timeout_s`` (the grader's,
+  instead of ``grader_timeout_s``), ``patch`` (the gold patch, used by ``python -m workloads.validate``);
 - any other key (version, created_at, hints_text, environment_setup_commit, ...) is ignored.
 
-A bad row stops the load with ``path:LINE: field: what is wrong`` (``TaskFileError``).
+A bad row stops the load with ``path:LINE: field: what is wrong`` (``TaskFileError``), and so does a
+row the grader could not grade: with ``grading.runner: pytest``, every test id must be a pytest node
+id (``path/to/test_file.py::name``, SWE-bench's Django rows name ``test_x (module.Class)`` and are
+refused) and the test command must run pytest.
 
 Workspaces. The first ``prepare`` of a task builds a template under
 ``<data_dir>/workspaces/<instance_id>-<hash>/``: the repository's tree at ``base_commit`` (or the
 tarball's content), then a fresh ``git init`` with that tree as its one ``base`` commit, so the
 agent can ``git diff`` but never sees the original repository or its later history (the fix);
-then ``setup_cmd``. Every workspace is a ``cp -a --reflink=auto`` copy of the template. Templates
+then ``setup_cmd``, confined like a grader (no network unless the row says so). Every workspace is a ``cp -a --reflink=auto`` copy of the template. Templates
 are built in a temporary folder and renamed into place, so threads and processes preparing the
 same task race safely (the loser drops its copy). The template is also the base tree the grader
 rebuilds hidden test files from.
@@ -45,13 +52,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workloads.api import GradeResult, RunArtifacts, Sandbox, Task
+from workloads.api import GradeResult, ResourceLimits, RunArtifacts, Sandbox, SandboxSpec, Task
 from workloads.config import WorkloadConfig
-from workloads.graders.tests import HiddenTests, PatchError, grade_hidden_tests, parse_patch
+from workloads.graders.patches import PatchError, parse_patch
+from workloads.graders.tests import Canary, GradeSetup, HiddenTests, grade_hidden_tests
+from workloads.sandbox.run import run_confined
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEST_CMD = "python3 -m pytest -rA -p no:cacheprovider"
+DEFAULT_TEST_CMD = "python -m pytest -q"
+PYTEST_NODE_ID = re.compile(r"^[^\s:\[][^:\[]*\.py::\S")
+"""``file.py::name...``: what pytest reports a test as (the path's part holds no ``::`` or ``[``)."""
+RUNS_PYTEST = re.compile(r"(?<![\w.-])(py\.test|pytest)(?![\w-])")
 TEMPLATE_VERSION = "1"
 """Part of every template's folder name: bump it when the template layout changes."""
 TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
@@ -89,6 +101,10 @@ class SweTask:
     """The grader's timeout for this task; None: the workload's ``grader_timeout_s``."""
     patch: str
     """The gold patch ('' when the row has none)."""
+    environment: Path | None = None
+    """The row's own environment (a folder, or an apptainer image ending ``.sif``); None: the set's."""
+    setup_network: bool | None = None
+    """The row's own choice; None: the task set's ``grading.setup_network``."""
 
     @property
     def task_id(self) -> str:
@@ -98,17 +114,18 @@ class SweTask:
     def prompt(self) -> str:
         return self.problem_statement
 
-    @property
-    def hidden_tests(self) -> HiddenTests:
+    def hidden_tests(self, environment: Path | None = None) -> HiddenTests:
+        """What the grader runs; ``environment``: the prefix the tests run with (None: the system's)."""
         return HiddenTests(task_id=self.instance_id, test_patch=self.test_patch, test_cmd=self.test_cmd,
-                           fail_to_pass=self.fail_to_pass, pass_to_pass=self.pass_to_pass)
+                           fail_to_pass=self.fail_to_pass, pass_to_pass=self.pass_to_pass, environment=environment)
 
 
 # ---------------------------------------------------------------- loading rows
 
 
-def load_tasks(path: Path) -> list[SweTask]:
-    """Every row of the JSONL file ``path``; the first bad row raises ``TaskFileError``."""
+def load_tasks(path: Path, *, runner: str = "pytest") -> list[SweTask]:
+    """Every row of the JSONL file ``path``; the first bad row, or one ``runner`` cannot grade,
+    raises ``TaskFileError``."""
     tasks: list[SweTask] = []
     first_line: dict[str, int] = {}
     try:
@@ -118,7 +135,7 @@ def load_tasks(path: Path) -> list[SweTask]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        task = parse_row(line, base_dir=path.parent, where=f"{path}:{number}")
+        task = parse_row(line, base_dir=path.parent, where=f"{path}:{number}", runner=runner)
         if task.instance_id in first_line:
             raise TaskFileError(f"{path}:{number}: instance_id: {task.instance_id!r} repeats line "
                                 f"{first_line[task.instance_id]}")
@@ -127,7 +144,7 @@ def load_tasks(path: Path) -> list[SweTask]:
     return tasks
 
 
-def parse_row(line: str, *, base_dir: Path, where: str) -> SweTask:
+def parse_row(line: str, *, base_dir: Path, where: str, runner: str = "pytest") -> SweTask:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -159,6 +176,8 @@ def parse_row(line: str, *, base_dir: Path, where: str) -> SweTask:
         parse_patch(test_patch)
     except PatchError as exc:
         raise fail("test_patch", str(exc)) from exc
+    test_cmd = text("test_cmd", required=False) or default_test_cmd(fail_to_pass + pass_to_pass)
+    _check_gradable(runner, fail_to_pass, pass_to_pass, test_cmd, fail)
     return SweTask(
         instance_id=instance_id,
         problem_statement=text("problem_statement", required=True),
@@ -166,12 +185,49 @@ def parse_row(line: str, *, base_dir: Path, where: str) -> SweTask:
         base_commit=text("base_commit", required=True).strip(),
         fail_to_pass=fail_to_pass,
         pass_to_pass=pass_to_pass,
-        test_cmd=text("test_cmd", required=False) or default_test_cmd(fail_to_pass + pass_to_pass),
+        test_cmd=test_cmd,
         test_patch=test_patch,
         setup_cmd=text("setup_cmd", required=False),
         timeout_s=_timeout(row, fail),
         patch=text("patch", required=False),
+        environment=_environment(text("environment", required=False), base_dir, fail),
+        setup_network=_flag(row, "setup_network", fail),
     )
+
+
+def _check_gradable(runner: str, fail_to_pass: tuple[str, ...], pass_to_pass: tuple[str, ...], test_cmd: str,
+                    fail) -> None:
+    """Refuse now a row every grading of which would fail: the grader reads ``runner``'s report only."""
+    if runner != "pytest":
+        raise fail("runner", f"no result reader for {runner!r} (the grader reads pytest's JUnit report)")
+    for name, ids in (("FAIL_TO_PASS", fail_to_pass), ("PASS_TO_PASS", pass_to_pass)):
+        for test_id in ids:
+            if not PYTEST_NODE_ID.match(test_id):
+                raise fail(name, f"{test_id!r} is not a pytest node id (path/to/test_file.py::name): the grader "
+                                 "reads pytest's JUnit report, which names tests only so; rows of other runners "
+                                 "(such as Django's `test_x (module.Class)`) need their ids converted")
+    if not RUNS_PYTEST.search(test_cmd):
+        raise fail("test_cmd", f"{test_cmd!r} does not run pytest, whose JUnit report the grader reads")
+
+
+def _environment(raw: str, base_dir: Path, fail) -> Path | None:
+    if not raw:
+        return None
+    path = (base_dir / raw).resolve()
+    if raw.endswith(".sif"):
+        if not path.is_file():
+            raise fail("environment", f"no apptainer image at {path}")
+        return path
+    if not any((path / "bin" / name).exists() for name in ("python", "python3")):
+        raise fail("environment", f"want a folder with bin/python (a virtualenv or prefix): {path}")
+    return path
+
+
+def _flag(row: dict[str, Any], name: str, fail) -> bool | None:
+    value = row.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise fail(name, f"want true or false, got {value!r}")
 
 
 def _test_ids(row: dict[str, Any], name: str, fail) -> tuple[str, ...]:
@@ -220,12 +276,20 @@ def default_test_cmd(test_ids: tuple[str, ...]) -> str:
 class SweTaskSet:
     """``workloads.api.TaskSet`` over SWE-style JSONL rows (``cfg.task_file``, ``cfg.eval_task_file``)."""
 
-    def __init__(self, cfg: WorkloadConfig, sandbox: Sandbox):
+    def __init__(self, cfg: WorkloadConfig, sandbox: Sandbox, *, grader_limits: ResourceLimits | None = None,
+                 cgroups: Any = None):
+        """``grader_limits``: what each test run may use; ``cgroups``: a ``CgroupSupport`` (None: rlimits only)."""
         if not cfg.task_file:
             raise ValueError("task_file: a swe task set needs a JSONL task file")
+        if cfg.grading is None:
+            raise ValueError("grading: a swe task set needs its grading settings")
         self.name = cfg.name
         self._cfg = cfg
         self._sandbox = sandbox
+        self._setup = GradeSetup(sandbox=sandbox, grading=cfg.grading, reward=cfg.reward, limits=grader_limits,
+                                 cgroups=cgroups)
+        self._canary = Canary()
+        self._default_env = _environment(cfg.grading.environment, Path.cwd(), _config_error)
         self._workspaces_dir = Path(cfg.data_dir).resolve() / "workspaces"
         self._train, self._eval = _split(cfg)
         self._locks: dict[Path, threading.Lock] = {}
@@ -244,14 +308,22 @@ class SweTaskSet:
         subprocess.run(["cp", "-a", "--reflink=auto", str(template), str(workspace)], check=True,
                        capture_output=True)
 
+    def environment(self, task: Task) -> Path | None:
+        """The task's read-only environment folder or image (the row's, else the set's)."""
+        assert isinstance(task, SweTask)
+        return task.environment or self._default_env
+
     def grade(self, task: Task, workspace: Path, run: RunArtifacts) -> GradeResult:
         assert isinstance(task, SweTask)
         try:
-            base_tree = self.template(task)
+            template = self.template(task)
         except Exception as exc:
-            return GradeResult(reward=None, error=f"{task.instance_id}: no base tree: {exc}")
-        return grade_hidden_tests(task.hidden_tests, workspace=workspace, base_tree=base_tree, sandbox=self._sandbox,
-                                  reward=self._cfg.reward, timeout_s=task.timeout_s or self._cfg.grader_timeout_s)
+            return GradeResult(reward=None, error=f"{task.instance_id}: no template: {exc}")
+        env = self.environment(task)
+        tests = task.hidden_tests(env if env is not None and env.is_dir() else None)
+        return grade_hidden_tests(tests, workspace=workspace, template=template, grade_dir=run.grade_dir,
+                                  setup=self._setup, timeout_s=task.timeout_s or self._cfg.grader_timeout_s,
+                                  canary=self._canary)
 
     def template(self, task: SweTask) -> Path:
         """The task's workspace template, built once (see the module docstring)."""
@@ -267,7 +339,7 @@ class SweTaskSet:
             try:
                 tree = _materialise(task, building)
                 if task.setup_cmd:
-                    _run_setup(task, tree, timeout_s=task.timeout_s or self._cfg.grader_timeout_s)
+                    self._run_setup(task, tree, building)
                 try:
                     tree.rename(final)
                 except OSError:
@@ -278,6 +350,30 @@ class SweTaskSet:
                 shutil.rmtree(building, ignore_errors=True)
         return final
 
+    def _run_setup(self, task: SweTask, tree: Path, building: Path) -> None:
+        """The row's ``setup_cmd`` in the template being built, confined like a grader: the task
+        author's command, but it builds what every agent then runs in, so it gets no network unless
+        the task file says so, and the grader's limits."""
+        network = task.setup_network if task.setup_network is not None else self._setup.grading.setup_network
+        env_dir = self.environment(task)
+        prefix = env_dir if env_dir is not None and env_dir.is_dir() else None
+        home = building / "home"
+        home.mkdir()
+        path = f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin" if prefix else "/usr/local/bin:/usr/bin:/bin"
+        spec = SandboxSpec(argv=["/bin/sh", "-c", task.setup_cmd], workspace=tree, home=home,
+                           env={"PATH": path, "HOME": str(home), "LANG": "C.UTF-8"}, network="host" if network else "none",
+                           ro_paths=(prefix,) if prefix else (), limits=self._setup.limits,
+                           image=str(env_dir) if env_dir is not None and env_dir.is_file() else "")
+        timeout_s = task.timeout_s or self._cfg.grader_timeout_s
+        ran = run_confined(self._sandbox, spec, timeout_s=timeout_s, output=building / "setup.log",
+                           cgroups=self._setup.cgroups, cgroup_name=f"setup-{os.getpid()}-{threading.get_ident()}")
+        if not ran.started:
+            raise WorkspaceError(f"{task.instance_id}: setup_cmd: the sandbox did not start: {ran.output_tail[-500:]}")
+        if ran.exit_code is None:
+            raise WorkspaceError(f"{task.instance_id}: setup_cmd ran past {timeout_s:g}s")
+        if ran.exit_code != 0:
+            raise WorkspaceError(f"{task.instance_id}: setup_cmd exited {ran.exit_code}: {ran.output_tail.strip()[-500:]}")
+
     def _lock_for(self, path: Path) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(path, threading.Lock())
@@ -286,9 +382,10 @@ class SweTaskSet:
 def _split(cfg: WorkloadConfig) -> tuple[list[SweTask], list[SweTask]]:
     """(train, eval): eval from ``eval_task_file``, else ``num_eval_tasks`` rows held out by a
     shuffle seeded with ``task_seed``; train is the rest in file order. Both capped at their counts."""
-    rows = load_tasks(Path(cfg.task_file))
+    runner = cfg.grading.runner if cfg.grading is not None else "pytest"
+    rows = load_tasks(Path(cfg.task_file), runner=runner)
     if cfg.eval_task_file:
-        held_out = load_tasks(Path(cfg.eval_task_file))[:cfg.num_eval_tasks]
+        held_out = load_tasks(Path(cfg.eval_task_file), runner=runner)[:cfg.num_eval_tasks]
         eval_ids = {t.instance_id for t in held_out}
         both = [t.instance_id for t in rows if t.instance_id in eval_ids]
         if both:
@@ -357,13 +454,5 @@ def _git(cwd: Path, *args: str) -> None:
         raise WorkspaceError(f"git {args[0]} in {cwd}: {done.stderr.strip()[-500:]}")
 
 
-def _run_setup(task: SweTask, tree: Path, *, timeout_s: float) -> None:
-    # The task author's command, trusted like the repository: run unconfined, with network (pip).
-    try:
-        done = subprocess.run(["/bin/sh", "-c", task.setup_cmd], cwd=tree, capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise WorkspaceError(f"{task.instance_id}: setup_cmd ran past {timeout_s:g}s") from exc
-    if done.returncode != 0:
-        raise WorkspaceError(f"{task.instance_id}: setup_cmd exited {done.returncode}: "
-                             f"{(done.stdout + done.stderr).strip()[-500:]}")
+def _config_error(name: str, what: str) -> ValueError:
+    return ValueError(f"grading.{name}: {what}")

@@ -29,14 +29,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from harness_proxy.budget import BUDGET_KINDS
+
 log = logging.getLogger(__name__)
 
-KINDS = ("slow_headers", "slow_body", "oversize", "token_missing", "token_invalid", "token_revoked")
+KINDS = ("slow_headers", "slow_body", "oversize", "token_missing", "token_invalid", "token_revoked", *BUDGET_KINDS)
 """``slow_headers``: no whole request head within the read timeout (a slow-loris, or a connection
 that never sends); ``slow_body``: the body not in within the read timeout (408); ``oversize``: a
 body over ``proxy.max_request_bytes`` (413); ``token_missing`` / ``token_invalid`` (not signed with
 this run's secret: garbage, tampered, or another run's) / ``token_revoked`` (a sealed execution's,
-replays included) (401)."""
+replays included) (401); ``budget_calls`` / ``budget_tokens`` / ``budget_wall`` (an execution's
+budget used up, 403) / ``budget_concurrency`` (too many of its calls at once, 429), see
+``harness_proxy.budget``."""
 MAX_LOGGED_SOURCES = 1024
 """Sources (executions, peers) logged per kind; past them a kind is only counted."""
 HEAD_KEPT_BYTES = 256

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionBudgetConfig:
+    """What one execution may take from the engines (``harness_proxy.budget``); 0: no limit.
+
+    The execution's token sits in its sandbox, so a policy can call the proxy outside its harness;
+    these bound what such calls can take from every other execution."""
+
+    max_calls: int
+    """Calls the proxy sends to an engine for the execution, in all; past them: 403."""
+    max_tokens: int
+    """Prompt plus output token ids, summed over the execution's calls (an agent re-sends its whole
+    context each call); a call that would start at or past it: 403."""
+    max_wall_s: float
+    """Seconds from the first call the proxy saw of the execution; a call after them: 403."""
+    max_concurrent_calls: int
+    """Calls of the execution at an engine at once; one more: 429, which the harness retries."""
+
+    def check(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"execution_budget.{f.name}: want >= 0 (0: no limit), got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,3 +66,6 @@ class ProxyConfig:
     max_unacked_record_bytes: int
     """Records held unacknowledged past this: new calls are refused with a retriable 503 (529)
     before they reach an engine, rather than held without bound."""
+    execution_budget: ExecutionBudgetConfig
+    """What each execution may take from the engines; over it, its calls are refused (403, or 429
+    for too many at once) before they reach one."""

@@ -13,7 +13,10 @@ Abuse is refused in the API's own error shape, counted per kind and logged once 
 (413, refused from its Content-Length before any of it is read, or once that many bytes of a
 chunked body are in), a missing or foreign token, or a sealed execution's (401: the token is not,
 or no longer, valid, as both APIs answer for a revoked key; 403 would say a valid key lacks a
-permission). Sealed executions are held in bounded memory (``auth.Revocations``).
+permission). Sealed executions are held in bounded memory (``auth.Revocations``). An execution
+over its budget (``proxy.execution_budget``: calls, tokens, wall time, calls at once) is refused
+before any engine time: 403 once a budget is used up, 429 while too many of its calls are at an
+engine (``harness_proxy.budget``, which also says what a proxy restarted in place forgets).
 
 One asyncio event loop owns everything here; the control plane (``harness_proxy.main``) calls
 ``apply_routing_table`` and ``seal`` on the same loop.
@@ -37,6 +40,7 @@ from controller import engine_key, wire
 from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
 from harness_proxy.auth import Revocations, bearer_token, verify_token
+from harness_proxy.budget import BudgetState, budget_refusal
 from harness_proxy.config import ProxyConfig
 from harness_proxy.memory import TrimAfterSeals
 from harness_proxy.openai_api import (
@@ -125,9 +129,21 @@ def parse_generate_response(data: Any, route: wire.EngineRoute) -> EngineResult:
 
 @dataclass
 class _Execution:
+    """A live execution's state; dropped when it is sealed."""
+
+    first_call_at: float
+    """Monotonic seconds of its first call (``proxy.execution_budget.max_wall_s`` counts from here)."""
     num_calls: int = 0
     """CallRecords queued so far; the next record's call_index."""
+    num_sent: int = 0
+    """Calls sent to an engine (``max_calls``)."""
+    num_tokens: int = 0
+    """Prompt plus output ids of the calls whose result is known (``max_tokens``)."""
     in_flight: set[asyncio.Task[EngineResult]] = field(default_factory=set)
+
+    def budget_state(self) -> BudgetState:
+        return BudgetState(first_call_at=self.first_call_at, num_calls=self.num_sent, num_tokens=self.num_tokens,
+                           num_in_flight=len(self.in_flight))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +184,8 @@ class Refusal(ApiError):
     """An ``ApiError`` that is abuse (``abuse.KINDS``): counted, and logged once per ``source``."""
 
     def __init__(self, status: int, message: str, *, kind: str, source: str, code: str | None = None,
-                 close: bool = False):
-        super().__init__(status, message, code=code)
+                 close: bool = False, type: str = "invalid_request_error"):
+        super().__init__(status, message, code=code, type=type)
         self.kind = kind
         self.source = source
         self.close = close
@@ -276,10 +292,12 @@ class ProxyServer:
             num_calls = held
             log.info("execution %s sealed again (%d calls)", execution_id, num_calls)
         else:
-            exe = self._executions.pop(execution_id, None) or _Execution()
-            num_calls = self.revoked.revoke(execution_id, exe.num_calls, self._min_version.pop(execution_id, None))
+            exe = self._executions.pop(execution_id, None)
+            in_flight = exe.in_flight if exe is not None else set()
+            num_calls = self.revoked.revoke(execution_id, exe.num_calls if exe is not None else 0,
+                                            self._min_version.pop(execution_id, None))
             self._evals.discard(execution_id)
-            for task in exe.in_flight:
+            for task in in_flight:
                 task.cancel()
             self.sessions.drop_execution(execution_id)
             self.minted.drop_execution(execution_id)
@@ -287,7 +305,7 @@ class ProxyServer:
             self.trim.sealed()
             log.info(
                 "execution %s sealed: %d calls recorded, %d in flight cancelled",
-                execution_id, num_calls, len(exe.in_flight),
+                execution_id, num_calls, len(in_flight),
             )
         sent = self.sink.put(wire.ExecutionSealed(execution_id=execution_id, num_calls=num_calls))
         sent.add_done_callback(_log_unsent(f"ExecutionSealed({execution_id})"))
@@ -482,6 +500,13 @@ class ProxyServer:
         the harness will be told, and what the session remembers for the next call's splice).
         Returns once the processor has the CallRecord in its log (persist, then acknowledge).
         """
+        if self.revoked.is_sealed(execution_id):  # sealed while the body was read
+            # (before the entry below is made: a sealed execution's would never be dropped)
+            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        exe = self._executions.get(execution_id)
+        if exe is None:
+            exe = self._executions[execution_id] = _Execution(first_call_at=time.monotonic())
+        self._check_budget(execution_id, exe)
         if self.sink.backlog_bytes > self.cfg.max_unacked_record_bytes:
             # The processor is down or behind: refuse before any engine time is spent, rather
             # than hold more records than configured (the harness retries a 503 / 529).
@@ -491,9 +516,9 @@ class ProxyServer:
         call, spliced = self._plan_call(
             execution_id, agent, chat, call_id=call_id, lineage=lineage, agent_id=agent_id
         )
-        if self.revoked.is_sealed(execution_id):  # sealed while the body was read
-            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
-        exe = self._executions.setdefault(execution_id, _Execution())
+        # No await from the budget check to the engine task joining exe.in_flight (in
+        # _generate_tracked), so parallel calls of one execution cannot all pass the check at once.
+        exe.num_sent += 1
         started_at = time.time()
         result = await self._generate_tracked(exe, call)
         finished_at = time.time()
@@ -522,6 +547,18 @@ class ProxyServer:
             result.route.cell_id, result.weight_version,
         )
         return call, result, message
+
+    def _check_budget(self, execution_id: str, exe: _Execution) -> None:
+        """Refuse a call its execution's budget (``proxy.execution_budget``) does not allow: 429 while
+        too many of its calls are at an engine (both SDKs retry it), 403 once a budget is used up
+        (neither retries it, and retrying would not help)."""
+        why = budget_refusal(exe.budget_state(), self.cfg.execution_budget, time.monotonic())
+        if why is None:
+            return
+        if why.retriable:  # OpenAI's own shape for a request-rate limit
+            raise Refusal(429, why.message, kind=why.kind, source=execution_id, code="rate_limit_exceeded",
+                          type="requests")
+        raise Refusal(403, why.message, kind=why.kind, source=execution_id, code="budget_exhausted")
 
     def _plan_call(
         self, execution_id: str, agent: str, chat: ChatRequest, *, call_id: str, lineage: wire.Lineage | None,
@@ -616,7 +653,9 @@ class ProxyServer:
         task = asyncio.ensure_future(self._generate(call))
         exe.in_flight.add(task)
         try:
-            return await task
+            result = await task
+            exe.num_tokens += len(call.prompt_ids) + len(result.output_ids)
+            return result
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me is not None and me.cancelling():
@@ -624,6 +663,7 @@ class ProxyServer:
                     "call %s (execution %s): harness disconnected; engine request aborted, recorded as abort",
                     call.call_id, call.execution_id,
                 )
+                exe.num_tokens += len(call.prompt_ids)  # an engine may have prefilled them already
                 self._record_hang_up(exe, call)
                 raise
             raise ApiError(

@@ -41,6 +41,7 @@ PROXY_CONFIG = {
     "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
     "retry_attempts": 3, "route_wait_s": 0.3, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
     "max_unacked_record_bytes": 1 << 30,
+    "execution_budget": {"max_calls": 2000, "max_tokens": 50_000_000, "max_wall_s": 14400.0, "max_concurrent_calls": 8},
 }
 
 
@@ -91,6 +92,8 @@ class Step:
     status: int = 200
     hang: bool = False
     """Wait until /abort_request names this request, then answer with an abort finish."""
+    until: asyncio.Event | None = None
+    """A slow engine: hold the answer until this is set (on the test loop), then answer as scripted."""
 
 
 class ScriptedEngine:
@@ -151,6 +154,8 @@ class ScriptedEngine:
             self.hanging.set()
             await event.wait()
             return web.json_response(self._answer([], {"type": "abort", "message": "Abort before prefill"}))
+        if step.until is not None:
+            await step.until.wait()
         ids = step.output_ids[: body["sampling_params"]["max_new_tokens"]]
         if step.finish == "abort":
             finish: dict[str, Any] = {"type": "abort", "message": "draining"}

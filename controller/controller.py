@@ -106,7 +106,7 @@ class Controller:
         self.step_figures = StepFigures()
         # What the run works on and through what (task set, harness, sandbox): built before any
         # process starts, so a missing harness binary or sandbox stops the run here.
-        self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox)
+        self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox, run_name=run_dir.name)
         self.train_tasks, self.eval_tasks = self.parts.taskset.split()
         self.rng = random.Random(cfg.run.seed)
         self.secret = secrets.token_bytes(32)
@@ -156,7 +156,7 @@ class Controller:
             workload=c.workload, taskset=self.parts.taskset, harness=self.parts.harness, sandbox=self.parts.sandbox,
             work_dir=self.attempt_dir("work"),
             proxy=ProxyEndpoint(url=self.proxy_url, unix_socket=Path(unix_socket) if unix_socket else None),
-            model_name=c.proxy.model_name, secret=self.secret,
+            model_name=c.proxy.model_name, secret=self.secret, limits=self.parts.limits, cgroups=self.parts.cgroups,
         )
         cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir,
                                      resume_from=self.resume_from)
@@ -308,6 +308,7 @@ class Controller:
     def shutdown(self) -> None:
         if self.executions is not None:
             self.executions.kill_all()
+        self.parts.close()
         for cell in self.cells.alive():
             self.send_to(f"cell-{cell.cell_id}", wire.Shutdown(reason="run over"))
         procs = [c.proc for c in self.cells.cells.values() if c.proc is not None] + list(self.children.values())
@@ -881,6 +882,7 @@ def make_run_dir(runs_dir: str, name: str, run_id: str = "") -> Path:
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{name}-{os.getpid()}"
     run_dir = root / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # the run user's alone, also when an earlier attempt made it under another umask
     latest = root / "latest"
     if latest.is_symlink() or latest.exists():
         latest.unlink()

@@ -1,8 +1,15 @@
 """Execution lifecycle: one harness run on one task, in its own workspace, with its own token.
 
 States walk a transition table (queued -> running -> finished | timed_out | crashed -> graded |
-grade_failed). A timed-out run is killed and graded from its saved workspace; a crashed run or a
-grader failure is excluded from training (reward None), never scored 0.
+grade_failed). A run past its timeout, or past a limit of its own (log bytes, disk, files: the
+watchdog here), is killed and graded from its saved workspace; so is a crashed run, since a harness
+killed from inside is the agent's doing (the processor still excludes a crash before any call was
+answered). Only a run whose sandbox never started (no "started" byte from its launcher) or whose
+spawn failed is excluded without a grade; a grader failure is excluded too, never scored 0.
+
+Each run gets the sandbox's limits, and a cgroup of its own where the node lets the run make them;
+when it ends, whatever is left in its cgroup is killed, setuid/setgid bits are stripped from its
+workspace and home, and over-long logs are cut.
 
 What runs is configured, not fixed: the task set lays out each workspace and grades it (on grader
 threads, off the control loop), a harness adapter says which program to start, the sandbox
@@ -19,17 +26,19 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from harness_proxy.auth import mint_token
 from workloads.api import GradeResult, HarnessAdapter, HarnessLaunch, RunArtifacts, Sandbox, SandboxSpec, Task, TaskSet
-from workloads.config import WorkloadConfig
+from workloads.config import LimitsConfig, WorkloadConfig
 from workloads.drift import run_shape
 from workloads.harnesses.common import common_env
+from workloads.sandbox.aftercare import cut_log, measure, strip_special_bits
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +48,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "running": ("finished", "timed_out", "crashed"),
     "finished": ("graded", "grade_failed"),
     "timed_out": ("graded", "grade_failed"),
-    "crashed": ("grade_failed",),
+    "crashed": ("graded", "grade_failed"),
 }
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SPAWN_THREADS = 4
@@ -85,6 +94,12 @@ class Execution:
     grading: Future[GradeResult] | None = None
     started_at: float = 0.0
     ended_at: float = 0.0
+    started_pipe: int = -1
+    """Read end of the pipe the sandbox's launcher writes its "started" byte to."""
+    cgroup: Any = None
+    """The run's ``ExecutionCgroup`` while it runs, where there is one."""
+    limit_hit: str = ""
+    """Set by the watchdog: the limit this run passed (it is then killed and graded)."""
 
     def move(self, new: ExecState) -> None:
         if new not in TRANSITIONS.get(self.state, ()):
@@ -106,7 +121,9 @@ class ExecutionManager:
     harness adapter says what to run, the sandbox confines it (and its grader)."""
 
     def __init__(self, *, workload: WorkloadConfig, taskset: TaskSet, harness: HarnessAdapter, sandbox: Sandbox,
-                 work_dir: Path, proxy: ProxyEndpoint, model_name: str, secret: bytes):
+                 work_dir: Path, proxy: ProxyEndpoint, model_name: str, secret: bytes,
+                 limits: LimitsConfig | None = None, cgroups: Any = None):
+        """``limits``: each harness run's (None: none); ``cgroups``: a ``CgroupSupport`` (None: rlimits only)."""
         self.cfg = workload
         self.taskset = taskset
         self.harness = harness
@@ -125,6 +142,13 @@ class ExecutionManager:
         # the loop answering cells and the proxy meanwhile.
         self._spawner = ThreadPoolExecutor(max_workers=SPAWN_THREADS, thread_name_prefix="harness-spawn")
         self._graders = ThreadPoolExecutor(max_workers=GRADE_THREADS, thread_name_prefix="grader")
+        self.limits = limits
+        self.cgroups = cgroups
+        self._watchdog_stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        if limits is not None and (limits.log_bytes or limits.disk_bytes or limits.disk_files):
+            self._watchdog = threading.Thread(target=self._watch, name="execution-watchdog", daemon=True)
+            self._watchdog.start()
 
     def plan_group(self, *, step: int, group_id: str, task: Task, train: bool, temperature: float, size: int,
                    min_version: int = 0) -> list[Execution]:
@@ -186,18 +210,47 @@ class ExecutionManager:
         )
         cmd = self.harness.command(launch)
         env = {**common_env(launch), **cmd.env}
-        spec = SandboxSpec(argv=cmd.argv, workspace=ws, env=env, home=home, ro_paths=(prompt_file, *cmd.ro_paths),
-                           network="proxy", proxy_port=self.proxy.port, proxy_socket=self.proxy.unix_socket)
-        argv = self.sandbox.wrap(spec)
-        with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
-            proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=ws,
-                                    start_new_session=True)
+        ro_paths, image = self._task_environment(ex.task, env)
+        read_fd, write_fd = os.pipe()
+        spec = SandboxSpec(argv=cmd.argv, workspace=ws, env=env, home=home,
+                           ro_paths=(prompt_file, *cmd.ro_paths, *ro_paths), network="proxy",
+                           proxy_port=self.proxy.port, proxy_socket=self.proxy.unix_socket,
+                           limits=self.limits.resources() if self.limits is not None else None, started_fd=write_fd,
+                           image=image)
+        try:
+            argv = self.sandbox.wrap(spec)
+            if self.cgroups is not None and self.limits is not None:
+                ex.cgroup = self.cgroups.create(ex.execution_id, processes=self.limits.processes,
+                                                memory_bytes=self.limits.memory_bytes)
+                argv = [*ex.cgroup.join_argv(), *argv]
+            with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+                proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=ws,
+                                        start_new_session=True, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            self._release_cgroup(ex)
+            raise
+        finally:
+            os.close(write_fd)
+        ex.started_pipe = read_fd
         if self.cfg.harness_nice:
             # After the spawn rather than in a preexec_fn (which would stop Popen using vfork): the
             # child has at most begun its start-up at the controller's priority.
             with contextlib.suppress(ProcessLookupError):
                 os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.cfg.harness_nice))
         return proc
+
+    def _task_environment(self, task: Task, env: dict[str, str]) -> tuple[tuple[Path, ...], str]:
+        """(read-only paths, image) for the task's environment: a folder is bound and its ``bin/``
+        put first on ``PATH`` (in ``env``); an image replaces the sandbox's (apptainer)."""
+        environment = getattr(self.taskset, "environment", None)
+        where = environment(task) if environment is not None else None
+        if where is None:
+            return (), ""
+        if where.is_file():
+            return (), str(where)
+        env["PATH"] = f"{where}/bin:{env['PATH']}"
+        return (where,), ""
 
     def _spawn_over(self, ex: Execution) -> bool:
         """Whether ``ex``'s spawn has finished: ``ex.proc`` is set, or, when it failed, ``ex.error``."""
@@ -218,12 +271,14 @@ class ExecutionManager:
         for ex in self.executions.values():
             if ex.state == "running":
                 self._reap(ex, now)
-            if ex.state in ("finished", "timed_out") and ex.grading is None:
-                ex.grading = self._graders.submit(self._grade, ex)
-            if ex.state == "crashed":
+            if ex.state in ("finished", "timed_out", "crashed") and ex.proc is None and ex.grading is None:
+                # never ran in a sandbox (a failed spawn, a sandbox that did not start): nothing to grade
                 ex.move("grade_failed")
                 done.append(ex)
-            elif ex.grading is not None and ex.grading.done() and ex.state in ("finished", "timed_out"):
+                continue
+            if ex.state in ("finished", "timed_out", "crashed") and ex.grading is None:
+                ex.grading = self._graders.submit(self._grade, ex)
+            if ex.grading is not None and ex.grading.done() and ex.state in ("finished", "timed_out", "crashed"):
                 self._take_grade(ex)
                 done.append(ex)
         return done
@@ -233,12 +288,21 @@ class ExecutionManager:
             return  # still spawning; its timeout clock runs
         # -1: the spawn failed, a crash, excluded (ex.error says why)
         code = ex.proc.poll() if ex.proc is not None else -1
-        if code is None and now - ex.started_at > self.cfg.timeout_s:
+        if code is None and (ex.limit_hit or now - ex.started_at > self.cfg.timeout_s):
             _kill(ex.proc)
-            ex.move("timed_out")
-            ex.outcome = "timed_out"
-            self.num_timed_out += 1
-            log.warning("execution %s: timed out after %.1fs; grading its workspace", ex.execution_id, now - ex.started_at)
+            self._release_cgroup(ex)
+            if ex.limit_hit:  # the agent's doing: graded from its workspace, like any crash
+                ex.move("crashed")
+                ex.outcome = "crashed"
+                ex.error = f"killed: {ex.limit_hit}"
+                self.num_crashed += 1
+                log.warning("execution %s: %s; killed, grading its workspace", ex.execution_id, ex.error)
+            else:
+                ex.move("timed_out")
+                ex.outcome = "timed_out"
+                self.num_timed_out += 1
+                log.warning("execution %s: timed out after %.1fs; grading its workspace", ex.execution_id,
+                            now - ex.started_at)
         elif code is None:
             return
         elif code == 0:
@@ -249,15 +313,69 @@ class ExecutionManager:
             ex.outcome = "crashed"
             ex.error = ex.error or f"harness exit code {code}"
             self.num_crashed += 1
-            log.error("execution %s: harness crashed (%s; stderr in %s); excluded from training", ex.execution_id,
+            log.error("execution %s: harness crashed (%s; stderr in %s); graded from its workspace", ex.execution_id,
                       ex.error, ex.folder / "stderr.log" if ex.folder else "-")
         ex.ended_at = now
+        self._release_cgroup(ex)
+        if ex.proc is not None and not self._sandbox_started(ex):
+            ex.error = (f"the sandbox did not start ({ex.error or f'exit {code}'}); stderr in "
+                        f"{ex.folder / 'stderr.log' if ex.folder else '-'}")
+            ex.proc = None  # a node's or Gyre's failure: excluded, never graded
+        self._aftercare(ex)
+
+    def _sandbox_started(self, ex: Execution) -> bool:
+        if ex.started_pipe < 0:
+            return False
+        try:
+            os.set_blocking(ex.started_pipe, False)
+            return os.read(ex.started_pipe, 1) == b"1"
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(ex.started_pipe)
+            ex.started_pipe = -1
+
+    def _release_cgroup(self, ex: Execution) -> None:
+        """Kill whatever is left of the run (a child that left its process group too), drop its cgroup."""
+        group, ex.cgroup = ex.cgroup, None
+        if group is None:
+            return
+        hit = {k: v for k, v in group.events().items() if v}
+        if hit:
+            log.warning("execution %s: cgroup limits hit: %s", ex.execution_id, hit)
+            if not ex.limit_hit:
+                ex.limit_hit = ", ".join(f"{k} {v}" for k, v in hit.items())
+        group.remove()
+
+    def _aftercare(self, ex: Execution) -> None:
+        if ex.folder is None:
+            return
+        for sub in ("workspace", "home"):
+            stripped = strip_special_bits(ex.folder / sub)
+            if stripped:
+                log.warning("execution %s: setuid/setgid bits stripped from %s: %s", ex.execution_id, sub, stripped[:5])
+        if self.limits is not None and self.limits.log_bytes:
+            for name in ("stdout.log", "stderr.log"):
+                cut_log(ex.folder / name, self.limits.log_bytes)
+
+    def _watch(self) -> None:
+        """The watchdog thread: logs, disk and files of every running execution, every
+        ``limits.disk_check_s``; a run past one is marked, and ``poll`` kills it."""
+        assert self.limits is not None
+        lim = self.limits
+        while not self._watchdog_stop.wait(lim.disk_check_s):
+            for ex in list(self.executions.values()):
+                if ex.state != "running" or ex.proc is None or ex.limit_hit or ex.folder is None:
+                    continue
+                ex.limit_hit = over_limits(ex.folder, lim)
+                if ex.limit_hit:
+                    log.warning("execution %s: over its limits: %s", ex.execution_id, ex.limit_hit)
 
     def _grade(self, ex: Execution) -> GradeResult:
         """On a grader thread. Whatever goes wrong here is a grader failure, never reward 0."""
         try:
             run = RunArtifacts(stdout_path=ex.folder / "stdout.log", stderr_path=ex.folder / "stderr.log",
-                               outcome=ex.outcome)
+                               outcome=ex.outcome, grade_dir=ex.folder / "grade")
             result = self.taskset.grade(ex.task, ex.workspace, run)
         except Exception as exc:
             result = GradeResult(reward=None, error=f"grader raised {type(exc).__name__}: {exc}")
@@ -278,10 +396,15 @@ class ExecutionManager:
             ex.move("graded")
 
     def kill_all(self) -> None:
+        self._watchdog_stop.set()
         self._spawner.shutdown(wait=True)  # every spawn in flight lands first, so none escapes
         for ex in self.executions.values():
             if ex.state == "running" and self._spawn_over(ex) and ex.proc is not None:
                 _kill(ex.proc)
+            self._release_cgroup(ex)
+            if ex.started_pipe >= 0:
+                os.close(ex.started_pipe)
+                ex.started_pipe = -1
         self._graders.shutdown(wait=True, cancel_futures=True)
 
 
@@ -296,3 +419,18 @@ def _kill(proc: subprocess.Popen) -> None:
         log.error("harness pid %d did not die after SIGKILL", proc.pid)
 
 
+def over_limits(folder: Path, lim: LimitsConfig) -> str:
+    """The first of ``lim``'s log, disk and file limits ``folder`` (an execution's) is past, or ''."""
+    if lim.log_bytes:
+        for name in ("stdout.log", "stderr.log"):
+            with contextlib.suppress(OSError):
+                size = (folder / name).stat().st_size
+                if size > lim.log_bytes:
+                    return f"{name} at {size} bytes, over sandbox.limits.log_bytes {lim.log_bytes}"
+    if lim.disk_bytes or lim.disk_files:
+        usage = measure([folder / "workspace", folder / "home"], max_entries=lim.disk_files or 10**9)
+        if lim.disk_files and not usage.complete:
+            return f"over sandbox.limits.disk_files {lim.disk_files} files and folders in its workspace and home"
+        if lim.disk_bytes and usage.num_bytes > lim.disk_bytes:
+            return f"{usage.num_bytes} bytes in its workspace and home, over sandbox.limits.disk_bytes {lim.disk_bytes}"
+    return ""

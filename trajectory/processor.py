@@ -14,8 +14,11 @@ Three layers, each testable alone:
   ``Delivered`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
 
 Grading rules. An execution is *usable* when its outcome is ``finished`` or ``timed_out`` and its
-reward is not None (the controller grades timed-out runs from their workspace). ``crashed`` and
-grader failures (reward None) are excluded and counted, never a reward of 0. So is a *cut*
+reward is not None (the controller grades timed-out runs from their workspace), or when it
+``crashed`` after the policy acted in it: graded from its workspace, with at least one call
+recorded. A crash is then no way out of a 0 the policy earned (a harness killed from inside is the
+agent's doing); a crash before any call was answered is none of the policy's doing, and is
+excluded and counted, as are grader failures (reward None), never a reward of 0. So is a *cut*
 execution: sealed with fewer calls received than the proxy recorded, or with a record the tree
 refused. Its reward belongs to the whole run, but only part of the run's tokens would be trained,
 so the credit would land on the wrong tokens; it is excluded from training and from its group's
@@ -219,6 +222,8 @@ class Processor:
         self._released_before: set[str] = set()
         self._facts: list[ExecutionFacts] = []
         self._cut: set[str] = set()
+        self._sealed_calls: dict[str, int] = {}
+        """Train executions' ``ExecutionSealed.num_calls`` until their group is done: a crash counts only after a call."""
         """Train executions sealed cut (see the module docstring), until their group completes."""
 
     # ------------------------------------------------------------------ inputs
@@ -279,6 +284,7 @@ class Processor:
             self.counters.num_duplicate_records += 1
             return []
         ex.sealed = sealed
+        self._sealed_calls[sealed.execution_id] = sealed.num_calls
         self._note_facts(sealed.execution_id)
         if len(ex.call_ids) < sealed.num_calls or ex.num_refused:
             self.counters.num_incomplete_executions += 1
@@ -345,6 +351,7 @@ class Processor:
         if group is not None:
             for eid in group.members:
                 self._forget_execution(eid)
+                self._sealed_calls.pop(eid, None)
         self._done_groups.add(group_id)
 
     @property
@@ -375,7 +382,7 @@ class Processor:
         grades = sorted(group.members.values(), key=lambda g: g.execution_id)
         usable = [g for g in grades if self._trainable(g)]
         for g in grades:
-            if g.outcome == "crashed":
+            if g.outcome == "crashed" and g not in usable:
                 self.counters.num_excluded_crashed += 1
             elif g.reward is None:
                 self.counters.num_excluded_grade_failed += 1
@@ -460,7 +467,11 @@ class Processor:
         return [ShardReady(shard=s) for s in shards]
 
     def _trainable(self, grade: Grade) -> bool:
-        return _usable(grade) and grade.execution_id not in self._cut
+        if grade.execution_id in self._cut or grade.reward is None:
+            return False
+        if grade.outcome == "crashed":
+            return self._sealed_calls.get(grade.execution_id, 0) > 0
+        return _usable(grade)
 
     def _count_shards(self, shards: list[Shard]) -> None:
         self.counters.num_shards += len(shards)
@@ -496,7 +507,9 @@ class Processor:
         return execution_id in self._done_executions or self._executions[execution_id].sealed is not None
 
     def _forget_execution(self, execution_id: str) -> None:
-        self._executions.pop(execution_id, None)
+        ex = self._executions.pop(execution_id, None)
+        if ex is None or ex.grade is None or not ex.grade.train:
+            self._sealed_calls.pop(execution_id, None)  # an eval run's (a train run's: until its group is done)
         self._done_executions.add(execution_id)
 
     def _reject_grade(self, grade: Grade, why: str) -> ErrorReply:

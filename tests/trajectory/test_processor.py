@@ -88,10 +88,13 @@ def test_a_group_completes_only_with_every_grade_and_seal(order: str) -> None:
     assert p.num_open_groups == 0 and p.num_open_executions == 0
 
 
-def test_grader_failure_and_crash_are_excluded_not_zero() -> None:
+def test_grader_failure_and_a_crash_before_any_call_are_excluded_not_zero() -> None:
     records, seals, grades = group_messages(
         "g", [1.0, 0.5, None, 0.0], outcomes=["finished", "timed_out", "finished", "crashed"]
     )
+    # e3 crashed before the policy was ever answered: no record, a seal of 0 calls.
+    records = [r for r in records if r.execution_id != "g-e3"]
+    seals = [dataclasses.replace(s, num_calls=0) if s.execution_id == "g-e3" else s for s in seals]
     p = processor(min_usable=2)
     out = feed(p, records + seals + grades)
     (shard,) = shards_of(out)
@@ -102,6 +105,18 @@ def test_grader_failure_and_crash_are_excluded_not_zero() -> None:
     assert adv["g-e0"] == pytest.approx(1.0, abs=1e-4) and adv["g-e1"] == pytest.approx(-1.0, abs=1e-4)
     assert out[-1] == GroupDone(group_id="g", step=0, num_usable=2, mean_reward=0.75, adv_divisor=pytest.approx(0.25 + 1e-6))
     assert (p.counters.num_excluded_grade_failed, p.counters.num_excluded_crashed) == (1, 1)
+
+
+def test_a_crash_after_the_policy_acted_is_graded_like_any_end() -> None:
+    """A harness killed from inside (``pkill``, a fork bomb) is the agent's doing: its 0 stands, so a
+    crash is never a way out of a penalty."""
+    records, seals, grades = group_messages("g", [1.0, 0.0], outcomes=["finished", "crashed"])
+    p = processor(min_usable=2)
+    out = feed(p, records + seals + grades)
+    (shard,) = shards_of(out)
+    adv = {s.execution_id: s.advantage for s in shard.sequences}
+    assert adv["g-e0"] > 0 > adv["g-e1"]
+    assert p.counters.num_excluded_crashed == 0
 
 
 def test_a_group_with_too_few_usable_executions_is_dropped() -> None:

@@ -322,6 +322,9 @@ class CellRunner:
 
 
 def main() -> None:
+    # Everything a run writes (checkpoints, logs, prompts, task files with gold patches and hidden
+    # tests) is the run user's alone on a shared node: files 0600, folders 0700.
+    os.umask(0o077)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--cell-id", type=int, required=True)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import dataclasses
 import logging
 import sys
@@ -108,6 +109,9 @@ def _hydra_main(raw: DictConfig) -> None:
 
 
 def main() -> None:
+    # Everything a run writes (checkpoints, logs, prompts, task files with gold patches and hidden
+    # tests) is the run user's alone on a shared node: files 0600, folders 0700.
+    os.umask(0o077)
     _hydra_main()
 
 

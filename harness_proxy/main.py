@@ -208,6 +208,9 @@ async def run(args: argparse.Namespace, cfg: ProxyConfig, tok: QwenTokenizer, ro
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Everything a run writes (checkpoints, logs, prompts, task files with gold patches and hidden
+    # tests) is the run user's alone on a shared node: files 0600, folders 0700.
+    os.umask(0o077)
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,

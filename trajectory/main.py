@@ -65,6 +65,9 @@ def _write_ready(path: Path, records_addr: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Everything a run writes (checkpoints, logs, prompts, task files with gold patches and hidden
+    # tests) is the run user's alone on a shared node: files 0600, folders 0700.
+    os.umask(0o077)
     parser = argparse.ArgumentParser(prog="python -m trajectory.main", description=__doc__.split("\n")[0])
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--controller", required=True, help="the controller's ROUTER address")

@@ -67,6 +67,7 @@ def generate(data_dir: str | Path) -> Path:
     target = Path(data_dir) / "pyfix"
     stamp = target / "STAMP"
     if stamp.is_file() and stamp.read_text() == GENERATOR_VERSION:
+        target.chmod(0o700)  # gold patches and hidden tests: the run user's alone, whatever umask made it
         return target / "tasks.jsonl"
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".pyfix.", dir=data_dir))

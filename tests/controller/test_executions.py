@@ -177,3 +177,58 @@ def test_workspaces_are_absolute_even_under_a_relative_runs_dir(tmp_path, monkey
         assert ex.workspace == tmp_path / "runs/r1/work/s0-g0-e0/workspace"
     finally:
         mgr.kill_all()
+
+
+MiB = 1 << 20
+WRITER = ("import os, sys\nkind, total = sys.argv[1], int(sys.argv[2])\nchunk = b'x' * (1 << 20)\n"
+          "if kind == 'disk':\n    for i in range(total):\n        with open(f'{os.environ[\"GYRE_WORKSPACE\"]}/f{i}', 'wb') as f:\n"
+          "            f.write(chunk)\n        if i % 8 == 7:\n            import time; time.sleep(0.05)\n"
+          "else:\n    for i in range(total):\n        sys.stdout.buffer.write(chunk)\n        sys.stdout.buffer.flush()\n"
+          "        if i % 8 == 7:\n            import time; time.sleep(0.05)\n")
+
+
+def _limited(tmp_path: Path, kind: str, total_mib: int, limits):
+    from workloads.config import CommandHarnessConfig
+    from workloads.harnesses.command import CommandHarness
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    cfg = workload(timeout_s=60.0)
+    harness = CommandHarness(CommandHarnessConfig(kind="command", argv=("/usr/bin/python3", str(script), kind,
+                                                                           str(total_mib)), env={}, ro_paths=()))
+    mgr = ExecutionManager(
+        workload=cfg, taskset=WordmapTaskSet(cfg), harness=harness, sandbox=NoSandbox(), work_dir=tmp_path / "work",
+        proxy=ProxyEndpoint(url="http://127.0.0.1:9"), model_name="m", secret=b"k" * 32, limits=limits,
+    )
+    (ex,) = mgr.plan_group(step=0, group_id="s0-g0", task=make_tasks(cfg)[0][0], train=True, temperature=1.0, size=1)
+    mgr.launch(ex, time.monotonic())
+    try:
+        (ended,) = wait_ended(mgr, 60.0)
+    finally:
+        mgr.kill_all()
+    return ended
+
+
+def _harness_limits(**over):
+    from tests.workloads import sandbox_config
+
+    return replace(sandbox_config("none").limits, disk_check_s=0.2, **over)
+
+
+@pytest.mark.parametrize("kind", ["disk", "log"])
+def test_a_run_past_its_disk_or_log_limit_is_killed_and_graded(tmp_path, kind):
+    over = {"disk_bytes": 8 * MiB} if kind == "disk" else {"log_bytes": 4 * MiB}
+    ended = _limited(tmp_path / "on", kind, 64, _harness_limits(**over))
+    assert ended.outcome == "crashed" and ended.state == "graded", ended.error
+    assert ("disk_bytes" if kind == "disk" else "log_bytes") in ended.error
+    if kind == "log":  # cut back to the limit, with a line saying so
+        log = (ended.folder / "stdout.log").read_bytes()
+        assert len(log) < 4 * MiB + 200 and b"[gyre: cut at" in log
+    else:
+        assert sum(p.stat().st_size for p in ended.workspace.glob("f*")) < 64 * MiB
+    # The same run without the limit writes everything: the watchdog is what stopped it.
+    free = _limited(tmp_path / "off", kind, 64, _harness_limits(disk_bytes=0, log_bytes=0, disk_files=0))
+    written = (sum(p.stat().st_size for p in free.workspace.glob("f*")) if kind == "disk"
+               else (free.folder / "stdout.log").stat().st_size)
+    assert written == 64 * MiB and not free.error.startswith("killed")

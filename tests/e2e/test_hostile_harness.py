@@ -36,7 +36,8 @@ from tests.e2e import ROOT, metrics, run_gyre_with
 from workloads.sandbox.bwrap import bwrap_problem
 
 pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(bwrap_problem("") != "", reason=f"bwrap cannot run here: {bwrap_problem('')}")]
+              pytest.mark.skipif(bwrap_problem("") != "" and os.environ.get("CI") != "true",
+                                 reason=f"bwrap cannot run here: {bwrap_problem('')}")]  # in CI: fail
 
 HOSTILE = Path(__file__).resolve().with_name("hostile_harness.py")
 STEPS = 2

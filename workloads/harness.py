@@ -6,7 +6,10 @@
 
 It reads ``TASK.md`` from its workspace (first line ``file: <name>``, then the prompt), asks an
 OpenAI-compatible Chat Completions endpoint (non-streaming, ``Authorization: Bearer TOKEN``),
-and writes each reply, stripped, over the named file. After a write it reports
+and writes each reply, stripped, over the named file. A workspace without ``TASK.md`` is a coding
+task (an SWE-style row): the prompt is ``$GYRE_PROMPT_FILE`` (or ``--prompt-file``), and each reply
+names the file it replaces on its first line (``file: path/in/the/workspace``), the file's whole new
+content after it; a reply naming no plain relative path is told so and writes nothing. After a write it reports
 ``wrote N bytes to NAME`` and asks again, up to ``--max-turns`` calls; an empty reply ends the
 run early. The assistant turns it sends back are the replies exactly as received, so a proxy can
 splice in the token ids it generated.
@@ -58,6 +61,20 @@ class HarnessError(Exception):
 def wrote_message(num_bytes: int, file_name: str) -> str:
     """The user turn that reports a write back to the model."""
     return f"wrote {num_bytes} bytes to {file_name}"
+
+
+CODING_SYSTEM_PROMPT = ("You fix bugs by rewriting files. Reply with 'file: <path in the repository>' on the first line "
+                        "and the file's whole new content after it; reply empty when done.")
+RELATIVE_PATH_RE = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.(?:/|$))(?!\.git(?:/|$))[A-Za-z0-9_./-]{1,200}$")
+
+
+def split_reply(reply: str) -> tuple[str, str] | None:
+    """(path, content) of a coding reply ``file: <path>\n<content>``; None when it names no plain relative path."""
+    first, _, rest = reply.strip().partition("\n")
+    if not first.startswith("file:"):
+        return None
+    path = first[len("file:"):].strip()
+    return (path, rest) if RELATIVE_PATH_RE.match(path) else None
 
 
 def read_task(workspace: Path) -> tuple[str, str]:
@@ -161,8 +178,16 @@ def think_times(*, seed: int, execution_id: str, median_s: float, sigma: float, 
 
 def run(args: argparse.Namespace) -> None:
     workspace = Path(args.workspace)
-    file_name, prompt = read_task(workspace)
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+    coding = not (workspace / TASK_FILE).exists() and bool(args.prompt_file)
+    if coding:
+        try:
+            file_name, prompt = "", Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HarnessError(f"cannot read the prompt file {args.prompt_file}: {exc}") from None
+    else:
+        file_name, prompt = read_task(workspace)
+    system = CODING_SYSTEM_PROMPT if coding else SYSTEM_PROMPT
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     think = [0.0] * args.max_turns
     if args.think_median_s > 0:
         key = args.think_key or workspace.resolve().name
@@ -174,12 +199,17 @@ def run(args: argparse.Namespace) -> None:
         text = reply.strip()
         if not text:
             return
-        try:
-            num_bytes = write_atomic(workspace / file_name, text)
-        except OSError as exc:
-            raise HarnessError(f"cannot write {file_name}: {exc}") from None
         messages.append({"role": "assistant", "content": reply})
-        messages.append({"role": "user", "content": wrote_message(num_bytes, file_name)})
+        target, content = (file_name, text) if not coding else (split_reply(reply) or ("", ""))
+        if not target:
+            messages.append({"role": "user", "content": "Your reply named no file: start it with 'file: <path>'."})
+            continue
+        try:
+            (workspace / target).parent.mkdir(parents=True, exist_ok=True)
+            num_bytes = write_atomic(workspace / target, content if coding else text)
+        except OSError as exc:
+            raise HarnessError(f"cannot write {target}: {exc}") from None
+        messages.append({"role": "user", "content": wrote_message(num_bytes, target)})
         if think[turn] > 0:
             time.sleep(think[turn])  # the "tools" run; a run killed meanwhile keeps its last write
 
@@ -190,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY; on argv it is readable in /proc)")
     p.add_argument("--workspace", required=True)
+    p.add_argument("--prompt-file", default=os.environ.get("GYRE_PROMPT_FILE", ""),
+                   help="a coding task's prompt, for a workspace without TASK.md (default: $GYRE_PROMPT_FILE)")
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)

@@ -258,3 +258,25 @@ def test_bad_think_arguments_exit_2(tmp_path: Path, serve, bad):
     server = serve(Reply())
     proc = _run(_workspace(tmp_path), server.port, extra=bad)
     assert proc.returncode == 2 and "think" in proc.stderr and server.requests == []
+
+
+def test_a_coding_task_writes_the_file_each_reply_names(tmp_path: Path, serve):
+    """A workspace without TASK.md (an SWE-style row): the prompt comes from --prompt-file and each
+    reply names the file it replaces; a reply naming no plain relative path writes nothing."""
+    server = serve(Reply(text="file: pkg/fix.py\nVALUE = 2\n"), Reply(text="file: ../escape.py\nx = 1"),
+                   Reply(text="no header at all"), Reply(text="file: /etc/passwd\nroot"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    prompt = tmp_path / "prompt.md"
+    prompt.write_text("Fix VALUE in pkg/fix.py.", encoding="utf-8")
+    proc = _run(ws, server.port, max_turns=4, extra=("--prompt-file", str(prompt)))
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "pkg" / "fix.py").read_text(encoding="utf-8") == "VALUE = 2"
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "prompt.md", "ws", "ws/pkg", "ws/pkg/fix.py"]
+    first, second, third, fourth = (r["body"]["messages"] for r in server.requests)
+    assert first == [{"role": "system", "content": harness.CODING_SYSTEM_PROMPT},
+                     {"role": "user", "content": "Fix VALUE in pkg/fix.py."}]
+    assert second[-1] == {"role": "user", "content": harness.wrote_message(len("VALUE = 2"), "pkg/fix.py")}
+    assert third[-1]["content"].startswith("Your reply named no file")
+    assert fourth[-1]["content"].startswith("Your reply named no file")

@@ -88,7 +88,9 @@ class Controller:
             if cfg.cluster.kind == "slurm"
             else LocalCells(cfg.cluster.ranks_per_node, cfg.cluster.dist_port, cfg.cluster.host))
         self.host = resolve_host(cfg.cluster.host)
-        self.ctx = zmq.Context.instance()
+        # This attempt's own context, terminated at its shutdown: a new attempt in the same process
+        # (run.auto_resume) starts on a clean one, with its own ZAP handler and inproc names.
+        self.ctx = zmq.Context()
         self.keys_dir = self.make_keys(run_dir)
         curve.install(self.keys_dir, "controller")
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -317,7 +319,8 @@ class Controller:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.metrics.close()
         self.sock.close(0)
-        curve.stop()
+        curve.stop(self.ctx)
+        self.ctx.term()
 
     # ================================================================ the loop
 

@@ -113,7 +113,7 @@ def load_keys(folder: Path, name: str) -> RunKeys:
 # ---------------------------------------------------------------- this process's keys and sockets
 
 _keys: RunKeys | None = None
-_auth: dict[int, ThreadAuthenticator] = {}
+_auth: dict[zmq.Context, ThreadAuthenticator] = {}
 _lock = threading.Lock()
 
 
@@ -150,14 +150,15 @@ class _Authenticator(ThreadAuthenticator):
 
 def _ensure_authenticator(ctx: zmq.Context, run_keys: RunKeys) -> None:
     """One ZAP handler per context, started before its first server socket binds: without one,
-    libzmq would admit any client that knows the server's (public) key."""
+    libzmq would admit any client that knows the server's (public) key. Keyed by the context
+    itself, not its ``id()``: a new context may reuse a closed one's id, and must get its own."""
     with _lock:
-        if id(ctx) in _auth:
+        if ctx in _auth:
             return
         auth = _Authenticator(ctx, run_keys)
         auth.start()
         auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Members(run_keys))
-        _auth[id(ctx)] = auth
+        _auth[ctx] = auth
 
 
 def server(sock: zmq.Socket) -> None:
@@ -190,12 +191,14 @@ def sender(frame: zmq.Frame) -> str | None:
         return "?"
 
 
-def stop() -> None:
-    """Stop the ZAP handlers (at exit)."""
+def stop(ctx: zmq.Context | None = None) -> None:
+    """Stop the ZAP handler of ``ctx`` (every context's when None, at exit), so the context can be
+    terminated: the handler's sockets live in it."""
     with _lock:
-        for auth in _auth.values():
-            auth.stop()
-        _auth.clear()
+        for c in [ctx] if ctx is not None else list(_auth):
+            auth = _auth.pop(c, None)
+            if auth is not None:
+                auth.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,3 +98,36 @@ def test_without_keys_sockets_are_plain():
         a.close(0)
         b.close(0)
         ctx.term()
+
+
+def test_attempts_in_one_process_each_own_their_context_and_zap_handler(keys_dir):
+    """What ``run.auto_resume`` does: attempt after attempt in one process, each on a context of its
+    own that it terminates at its end. Every attempt gets a working ZAP handler (a stranger with the
+    server's public key is refused, a member admitted) and its context terminates: none is left
+    holding the handler's inproc endpoint for the next (once 'Address already in use')."""
+    curve.install(keys_dir, "controller")
+    for _ in range(12):
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        curve.server(router)
+        router.bind("tcp://127.0.0.1:0")
+        addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        public, secret = zmq.curve_keypair()
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        stranger.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        stranger.setsockopt(zmq.CURVE_SERVERKEY, curve.keys().public_of("controller"))
+        stranger.connect(addr)
+        member = member_client(ctx, keys_dir, "cell-1", "controller", addr)
+        stranger.send(b"stranger")
+        member.send(b"member")
+        assert router.poll(5000)
+        _, body = router.recv_multipart(copy=False)
+        assert (body.bytes, curve.sender(body)) == (b"member", "cell-1")
+        assert not router.poll(300)
+        for s in (router, stranger, member):
+            s.close(0)
+        curve.stop(ctx)
+        ctx.term()  # returns only once every socket of the context, the handler's included, is gone

@@ -94,6 +94,7 @@ def test_every_attack_scores_zero_and_the_run_goes_on():
             assert ev["state"] == "graded" and ev["reward"] == 0.0, ev
 
         seen: dict[str, list[str]] = {}
+        found: dict[str, dict] = {}
         work = run_dir / "work"
         for ev in events:
             folder = work / ev["id"]
@@ -102,6 +103,7 @@ def test_every_attack_scores_zero_and_the_run_goes_on():
             attack = next((ln["attack"] for ln in said if "attack" in ln), None) or _attack_of_big_log(folder)
             seen.setdefault(attack, []).append(ev["id"])
             _check_attack(attack, ev, said, grade, folder)
+            found.setdefault(attack, _what_stopped_it(ev, said, grade))
         missing = {"conftest_hookwrapper", "ini_plugin", "pyproject_plugin", "atexit_printer", "shadow_pytest",
                    "conftest_exit", "import_loop", "tests_symlink", "delete_tests", "sys_modules_tampering",
                    "home_site_hooks", "setuid_binary", "fork_bomb", "fill_tmp", "fill_disk", "stdout_flood",
@@ -113,9 +115,22 @@ def test_every_attack_scores_zero_and_the_run_goes_on():
                    and p.stat().st_mode & (stat.S_ISUID | stat.S_ISGID)]
         assert not special, special
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        for attack, what in sorted(found.items()):  # what the grader or the sandbox did, per attack
+            print(json.dumps({"attack": attack, **what}))
         print(f"red team: {len(events)} executions, {len(seen)} attacks, {wall_s:.1f}s")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _what_stopped_it(ev: dict, said: list[dict], grade: dict) -> dict:
+    """One execution of an attack, as the closing table shows it: its outcome, the grade's outcome
+    and canary, what the grader dropped and why, the run's error, and what the attack itself saw."""
+    detail = grade["detail"]
+    seen_inside = next((ln for ln in said if "attack" in ln), {})
+    return {"reward": ev["reward"], "outcome": ev["outcome"], "graded": detail.get("outcome"),
+            "dropped": {d["path"]: d["why"][:60] for d in detail.get("dropped", [])},
+            "error": (ev.get("error") or "")[:120],
+            "inside": {k: str(v)[:100] for k, v in seen_inside.items() if k != "attack"}}
 
 
 def _attack_of_big_log(folder: Path) -> str:

@@ -56,6 +56,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 is pinned in pyproject: the CPU wheel these machines carry, not a CUDA build.
 	$(BIN)/pip install --quiet -e '.[test,cpu]'
+	# The pinned sglang wheel WITHOUT its dependencies (torch 2.14.1, CUDA 13, transformers 5.19 would
+	# replace this venv's): the tests read SGLang's HTTP contract from its files and never import it
+	# (tests/support/sglang_contract.py). An extra cannot say --no-deps, so it is installed here.
+	$(BIN)/pip install --quiet --no-deps sglang==0.5.23
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -143,8 +143,16 @@ class MegatronConfig:
     offload_when_serving: bool
     """On CUDA, the core moves its weights, gradients and Adam state to host memory while it serves."""
     moe_aux_loss_coeff: float
+    command_timeout_s: float
+    """How long a multi-rank cell's followers wait for the leader's next command (the timeout of
+    their gloo command group, ``cellrunner.spmd``). They wait there through every serving phase,
+    which lasts as long as the scheduler wants: torch's 30-minute default lost the followers of a
+    cell that served longer. A leader that dies closes its connections and the wait ends at once,
+    so a long timeout costs nothing there."""
 
     def check(self) -> None:
+        if self.command_timeout_s <= 0:
+            raise ValueError(f"command_timeout_s: want > 0, got {self.command_timeout_s}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                      "pad_vocab_to"):
             if getattr(self, name) < 1:
@@ -179,6 +187,9 @@ class SGLangConfig:
     poll_interval_s: float
     extra_args: tuple[str, ...]
     """Passed through to ``sglang.launch_server`` as they are (e.g. HiCache flags)."""
+    flush_cache_timeout_s: float
+    """How long ``/flush_cache`` may answer 400 (requests still running or waiting in the scheduler)
+    before a release or load gives up; it is retried with backoff until then."""
 
     def check(self) -> None:
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):

@@ -16,10 +16,14 @@ ids in, token ids and log-probs out: ``--skip-tokenizer-init``).
   are pickles of CUDA-IPC handles), no second NCCL group in the cellrunner
   (``/update_weights_from_distributed``), and works for any TP/DP/EP layout of the server, which
   reshards on load. The cost is one host write + read of the weights per version (GPU.md).
+  Every update names ``load_format``: without it SGLang uses the server's own, ``dummy`` for a
+  server started without a checkpoint, whose loader cannot update ("Failed to get model loader").
 - Role switch (slime's colocated order): serve -> train: drain, ``/pause_generation``
-  (mode abort: nothing left running, new calls wait), ``/release_memory_occupation`` (all tags).
-  Train -> serve: ``/resume_memory_occupation`` weights, load the new version, resume
-  kv_cache + cuda_graph, ``/continue_generation``.
+  (mode abort: nothing left running, new calls wait), ``/flush_cache`` until 200 (an aborted call
+  leaves the scheduler at its next step; SGLang refuses the release until it is idle),
+  ``/release_memory_occupation`` (all tags). Train -> serve: ``/resume_memory_occupation``
+  weights, ``/flush_cache`` until 200, load the new version, resume kv_cache + cuda_graph,
+  ``/continue_generation``. Release and resume answer ``200 null`` (the route returns nothing).
 - Load: the server's Prometheus gauges (``--enable-metrics``): running + queued requests, and
   the aborted-requests counter for what a drain cut short.
 
@@ -60,6 +64,10 @@ ABORT_SETTLE_S = 60.0
 STOP_GRACE_S = 30.0
 RUNNING_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 ABORTED_COUNTER = "sglang:num_aborted_requests_total"
+WEIGHTS_LOAD_FORMAT = "safetensors"
+"""What ``write_weights`` writes, as SGLang's ``LoadFormat`` names it (srt/configs/load_config.py)."""
+FLUSH_BACKOFF_MAX_S = 2.0
+"""The longest wait between two ``/flush_cache`` tries (it starts at ``poll_interval_s``, doubling)."""
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -280,6 +288,7 @@ class SGLangEngine:
             # Abort mode: nothing keeps running (release needs an idle server); new calls wait.
             self._post("/pause_generation", {"mode": "abort"})
             self._paused = True
+            self._wait_idle()
             self._post("/release_memory_occupation", {}, want_json=False)
             self._released = True
             self._version = None
@@ -327,9 +336,14 @@ class SGLangEngine:
         """Write the version to tmpfs, have the server load it, drop the previous version's files."""
         path = os.path.join(self._cell_dir, f"v{weights.version}")
         write_weights(weights, path, dtype=_DTYPES[self.cfg.dtype], config_json=self._config_json)
+        if self._paused:
+            # Switching back to serve: nothing may be left in the scheduler, or the update's own
+            # flush fails it. While serving, the update waits for running calls (SGLang's
+            # model-update lock) and flushes itself; live traffic would keep /flush_cache at 400.
+            self._wait_idle()
         reply = self._post("/update_weights_from_disk", {
-            "model_path": path, "weight_version": str(weights.version), "flush_cache": True,
-            "abort_all_requests": False,
+            "model_path": path, "load_format": WEIGHTS_LOAD_FORMAT, "weight_version": str(weights.version),
+            "flush_cache": True, "abort_all_requests": False,
         })
         if reply.get("success") is not True:
             raise SGLangError(f"/update_weights_from_disk: {reply.get('message')!r}")
@@ -357,9 +371,34 @@ class SGLangEngine:
         self.stop()
         raise SGLangError(f"sglang not healthy after {self.cfg.startup_timeout_s}s; last log lines:\n{_tail(log_path)}")
 
+    def _wait_idle(self) -> None:
+        """``/flush_cache`` until it answers 200: SGLang flushes only an idle scheduler and answers
+        400 while requests run or wait (slime retries it the same way). Retried with doubling
+        waits up to ``FLUSH_BACKOFF_MAX_S``; ``SGLangError`` after ``cfg.flush_cache_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.flush_cache_timeout_s
+        delay, last = self.cfg.poll_interval_s, ""
+        while True:
+            req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST",
+                                         headers=engine_key.headers(self._api_key))
+            try:
+                with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s):
+                    return
+            except urllib.error.HTTPError as e:
+                last = e.read()[:200].decode(errors="replace").strip()
+                if e.code != 400:
+                    raise SGLangError(f"/flush_cache: HTTP {e.code}: {last}") from None
+            except (urllib.error.URLError, OSError) as e:
+                raise SGLangError(f"/flush_cache: {e}") from None
+            if time.monotonic() + delay > deadline:
+                raise SGLangError(f"/flush_cache: scheduler not idle after {self.cfg.flush_cache_timeout_s}s "
+                                  f"(requests still running or waiting); last reply: {last!r}")
+            time.sleep(delay)
+            delay = min(2 * delay, FLUSH_BACKOFF_MAX_S)
+
     def _post(self, path: str, body: dict, *, want_json: bool = True) -> dict:
-        """POST JSON; return the JSON object reply. ``want_json=False``: an empty 200 is success
-        (release/resume/abort answer so), and a JSON body is an error unless it says otherwise."""
+        """POST JSON; return the JSON object reply. ``want_json=False``: an empty body or ``null``
+        is success, ``{}`` (release/resume return nothing, which FastAPI sends as ``200 null``;
+        abort sends an empty 200); a JSON object is still checked for an error."""
         data = json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json", **engine_key.headers(self._api_key)})
@@ -373,14 +412,17 @@ class SGLangEngine:
             raise SGLangError(f"{path}: {e}") from None
         if not raw.strip():
             if want_json:
-                raise SGLangError(f"{path}: empty reply, want a JSON object")
+                raise SGLangError(f"{path}: want a JSON object, got empty reply")
             return {}
         try:
             reply = json.loads(raw)
         except ValueError:
             raise SGLangError(f"{path}: reply is not JSON: {raw[:200]!r}") from None
+        if reply is None and not want_json:
+            return {}
         if not isinstance(reply, dict):
-            raise SGLangError(f"{path}: want a JSON object, got {type(reply).__name__}")
+            got = "null" if reply is None else type(reply).__name__
+            raise SGLangError(f"{path}: want a JSON object, got {got}")
         if reply.get("success") is False or "error" in reply or reply.get("status") == "error":
             raise SGLangError(f"{path}: {reply.get('message') or reply.get('error')!r}")
         return reply

@@ -371,10 +371,12 @@ def run(args: argparse.Namespace) -> dict:
             kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
             mem_fraction_static=args.mem_fraction, dtype="bfloat16", context_length=2048,
             disable_cuda_graph=args.disable_cuda_graph, weight_update="disk", weight_dir=args.work_dir,
-            startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[]))
+            startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[],
+            flush_cache_timeout_s=120.0))
         mg_cfg = MegatronConfig(kind="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                 expert_model_parallel_size=1, params_dtype="bfloat16", layer_spec="local",
-                                pad_vocab_to=128, offload_when_serving=True, moe_aux_loss_coeff=0.0)
+                                pad_vocab_to=128, offload_when_serving=True, moe_aux_loss_coeff=0.0,
+                                command_timeout_s=604800.0)
 
         if args.no_sglang:
             report.off = {"sglang_start", "load_v0", "serve", "serve_to_train", "train_to_serve", "weight_update"}

@@ -1,13 +1,16 @@
-"""engine=sglang on CPU: the launch command, and the whole lifecycle against a TEST DOUBLE.
+"""engine=sglang on CPU: the launch command, and the whole lifecycle against a stand-in checked
+against SGLang's own contract.
 
 SGLang cannot run on these CPUs (``shared/notes/cpu-stack.md`` §4), so the server here is a
-fake: a small aiohttp program installed as a ``sglang`` package in a temporary folder and
-started by the real ``SGLangEngine`` as ``python -m sglang.launch_server ...`` — a real process
-in its own session, real HTTP. It implements only the admin endpoints the engine uses, with
-SGLang's documented shapes (``shared/notes/gpu-stack-apis.md`` §1), refuses flags it does not
-know, records every call, checks the safetensors it is pointed at, and fails like SGLang where
-it matters (releasing a busy server; updating released weights). It proves the engine's side
-of the protocol, not SGLang's; ``scripts/gpu_check.sh`` runs the real server on a GPU.
+stand-in: a small aiohttp program (``tests/support/sglang_standin/``) put first on ``PYTHONPATH``
+as a ``sglang`` package and started by the real ``SGLangEngine`` as ``python -m
+sglang.launch_server ...``: a real process in its own session, real HTTP. Each of its behaviours
+(``200 null`` on release and resume, ``/flush_cache`` 400 while the scheduler is busy, an update
+without ``load_format`` failing on a ``dummy`` server, ...) names the file of the sglang 0.5.23
+wheel it mirrors. Every request body the engine sends and every reply the stand-in gives is
+validated against SGLang's own types, read from the pinned wheel installed without its
+dependencies (``tests/support/sglang_contract.py``; missing wheel: a failure in CI).
+``scripts/gpu_check.sh`` runs the real server on a GPU.
 """
 
 from __future__ import annotations
@@ -38,175 +41,16 @@ from controller.typed_config import ConfigError, build
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
 
-FAKE_SGLANG = r'''
-"""TEST DOUBLE of `python -m sglang.launch_server` (admin endpoints only). Not SGLang."""
-import argparse, asyncio, json, os, subprocess, sys, time
-from aiohttp import web
-from safetensors import safe_open
-
-ap = argparse.ArgumentParser()
-for flag in ("--model-path", "--host", "--dtype", "--load-format", "--dist-init-addr"):
-    ap.add_argument(flag, required=flag in ("--model-path", "--host"))
-for flag in ("--port", "--tp-size", "--dp-size", "--ep-size", "--max-running-requests", "--random-seed",
-             "--context-length", "--nnodes", "--node-rank"):
-    ap.add_argument(flag, type=int)
-ap.add_argument("--mem-fraction-static", type=float)
-ap.add_argument("--api-key")
-for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-metrics", "--skip-server-warmup",
-             "--disable-cuda-graph", "--enable-hierarchical-cache"):
-    ap.add_argument(flag, action="store_true")
-args = ap.parse_args()  # an unknown flag exits 2, as SGLang's argparse does
-RECORD = os.environ["FAKE_SGLANG_RECORD"]
-if os.environ.get("FAKE_SGLANG_FAIL"):
-    print("fake sglang: refusing to start (FAKE_SGLANG_FAIL)", flush=True)
-    sys.exit(3)
-# A forked "scheduler", as SGLang has: stop() must end it with the server.
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-state = {"version": "default", "released": set(), "paused": False, "running": {}, "aborted": 0,
-         "calls": [], "loaded": [], "argv": sys.argv[1:], "child_pid": child.pid, "started": time.time(),
-         "mode": "ok"}
-
-def save():
-    with open(RECORD + ".tmp", "w") as f:
-        json.dump({k: (sorted(v) if isinstance(v, set) else v) for k, v in state.items() if k != "running"}, f)
-    os.replace(RECORD + ".tmp", RECORD)
-
-def call(name, body=None):
-    state["calls"].append([name, body])
-    save()
-
-async def health(request):
-    if time.time() - state["started"] < 0.5 or "weights" in state["released"]:
-        return web.Response(status=503)  # starting, or no weights to run the probe with
-    return web.Response(status=200)
-
-async def metrics(request):
-    n = len(state["running"])
-    lines = ["# HELP sglang:num_running_reqs The number of running requests.",
-             "# TYPE sglang:num_running_reqs gauge"]
-    for tp in (0, 1):  # every TP rank exports its scheduler's gauge
-        lines.append(f'sglang:num_running_reqs{{model_name="m",tp_rank="{tp}"}} {float(n)}')
-    lines.append('sglang:num_queue_reqs{model_name="m",tp_rank="0"} 0.0')
-    lines.append(f'sglang:num_aborted_requests_total{{model_name="m"}} {float(state["aborted"])}')
-    return web.Response(text="\n".join(lines) + "\n")
-
-async def model_info(request):
-    return web.json_response({"model_path": args.model_path, "weight_version": state["version"]})
-
-async def generate(request):
-    body = await request.json()
-    while state["paused"]:
-        await asyncio.sleep(0.01)
-    rid = body.get("rid") or str(time.time())
-    n = body.get("sampling_params", {}).get("max_new_tokens", 8)
-    fut = asyncio.get_running_loop().create_future()
-    state["running"][rid] = fut
-    out, reason = [], {"type": "length", "length": n}
-    for i in range(n):
-        if fut.done():
-            reason = {"type": "abort", "message": "aborted"}
-            break
-        out.append(7)
-        await asyncio.sleep(0.01)
-    state["running"].pop(rid, None)
-    return web.json_response({"output_ids": out, "meta_info": {
-        "id": rid, "finish_reason": reason, "weight_version": state["version"],
-        "output_token_logprobs": [[-1.0, t, None] for t in out], "completion_tokens": len(out)}})
-
-def abort_all():
-    for fut in state["running"].values():
-        if not fut.done():
-            fut.set_result(None)
-            state["aborted"] += 1
-
-async def abort_request(request):
-    body = await request.json()
-    call("abort_request", body)
-    if body.get("abort_all"):
-        abort_all()
-    return web.Response(status=200)
-
-async def pause(request):
-    body = await request.json()
-    call("pause_generation", body)
-    if body.get("mode", "abort") == "abort":
-        abort_all()
-    state["paused"] = True
-    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-async def cont(request):
-    call("continue_generation", await request.json())
-    state["paused"] = False
-    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-async def release(request):
-    body = await request.json()
-    call("release_memory_occupation", body)
-    await asyncio.sleep(0.05)
-    if state["running"]:  # SGLang asserts an idle server here
-        return web.json_response({"success": False, "message": "server is not idle"}, status=500)
-    state["released"] |= set(body.get("tags") or ["weights", "kv_cache", "cuda_graph"])
-    return web.Response(status=200)
-
-async def resume(request):
-    body = await request.json()
-    call("resume_memory_occupation", body)
-    state["released"] -= set(body.get("tags") or ["weights", "kv_cache", "cuda_graph"])
-    return web.Response(status=200)
-
-async def update_from_disk(request):
-    body = await request.json()
-    call("update_weights_from_disk", body)
-    if state["mode"] == "not_json":
-        return web.Response(text="<html>oops</html>", status=200)
-    if "weights" in state["released"]:
-        return web.json_response({"success": False, "message": "weights are released", "num_paused_requests": 0},
-                                 status=400)
-    path = body["model_path"]
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        names = sorted(f.keys())
-        t = f.get_tensor("model.embed_tokens.weight")
-        loaded = {"names": names, "dtype": str(t.dtype), "embed_shape": list(t.shape),
-                  "embed_sum": float(t.float().sum()), "architectures": config.get("architectures"),
-                  "path": path, "version": body.get("weight_version")}
-    state["loaded"].append(loaded)
-    if body.get("weight_version") is not None:
-        state["version"] = body["weight_version"]
-    save()
-    return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
-
-async def fake_mode(request):  # test control: how update_weights_from_disk misbehaves
-    state["mode"] = (await request.json())["mode"]
-    return web.Response(status=200)
-
-@web.middleware
-async def api_key(request, handler):  # SGLang's own rule: /health and /metrics open, else Bearer <key>
-    if (args.api_key and not request.path.startswith(("/health", "/metrics"))
-            and request.headers.get("Authorization") != "Bearer " + args.api_key):
-        return web.json_response({"error": "Unauthorized"}, status=401)
-    return await handler(request)
-
-app = web.Application(middlewares=[api_key])
-app.router.add_get("/health", health)
-app.router.add_get("/metrics", metrics)
-app.router.add_get("/model_info", model_info)
-app.router.add_post("/generate", generate)
-for path, fn in (("/abort_request", abort_request), ("/pause_generation", pause), ("/continue_generation", cont),
-                 ("/release_memory_occupation", release), ("/resume_memory_occupation", resume),
-                 ("/update_weights_from_disk", update_from_disk), ("/fake/mode", fake_mode)):
-    app.router.add_post(path, fn)
-save()
-web.run_app(app, host=args.host, port=args.port, print=None)
-'''
+STANDIN = ROOT / "tests" / "support" / "sglang_standin"
+"""The SGLang stand-in: a ``sglang`` package whose ``launch_server`` is an aiohttp TEST DOUBLE."""
 
 
 def sglang_cfg(tmp_path: Path, **over) -> SGLangConfig:
     base = dict(kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
                 mem_fraction_static=0.7, dtype="bfloat16", context_length=0, disable_cuda_graph=False,
                 weight_update="disk", weight_dir=str(tmp_path / "weights"),
-                startup_timeout_s=30.0, request_timeout_s=30.0, poll_interval_s=0.02, extra_args=[])
+                startup_timeout_s=30.0, request_timeout_s=30.0, poll_interval_s=0.02, extra_args=[],
+                flush_cache_timeout_s=30.0)
     return build(SGLangConfig, {**base, **over})
 
 
@@ -295,12 +139,8 @@ def test_model_config_names_the_architecture():
 
 @pytest.fixture
 def fake_sglang(tmp_path, monkeypatch):
-    pkg = tmp_path / "fake" / "sglang"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text('"""TEST DOUBLE package standing in for sglang (not SGLang)."""\n')
-    (pkg / "launch_server.py").write_text(FAKE_SGLANG)
     record = tmp_path / "record.json"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), str(ROOT)]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STANDIN), str(ROOT)]))
     monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
     return lambda: json.loads(record.read_text())
 
@@ -390,12 +230,13 @@ def test_lifecycle_against_the_fake_server(tmp_path, fake_sglang):
         engine.resume(weights(2))
         rec = fake_sglang()
         assert [c[0] for c in rec["calls"][calls_before:]] == [
-            "pause_generation", "release_memory_occupation", "resume_memory_occupation",
-            "update_weights_from_disk", "resume_memory_occupation", "continue_generation",
+            # flush_cache until the scheduler is idle before the release and the paused load, as slime does
+            "pause_generation", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
+            "flush_cache", "update_weights_from_disk", "resume_memory_occupation", "continue_generation",
         ]
         assert rec["calls"][calls_before][1] == {"mode": "abort"}
-        assert rec["calls"][calls_before + 2][1] == {"tags": ["weights"]}
-        assert rec["calls"][calls_before + 4][1] == {"tags": ["kv_cache", "cuda_graph"]}
+        assert rec["calls"][calls_before + 3][1] == {"tags": ["weights"]}
+        assert rec["calls"][calls_before + 6][1] == {"tags": ["kv_cache", "cuda_graph"]}
         assert rec["released"] == [] and engine.weight_version == 2
         assert generate(engine.url, 1)["meta_info"]["weight_version"] == "2"
 
@@ -460,3 +301,182 @@ def test_a_bf16_serving_copy_is_written_as_it_came(tmp_path):
     b = load_file(os.path.join(write_weights(served, str(tmp_path / "bf16"), dtype=torch.bfloat16,
                                              config_json=cfg_json), "model.safetensors"))
     assert a.keys() == b.keys() and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- SGLang's replies, as the wheel gives them
+
+
+def test_the_first_serve_to_train_switch_takes_sglangs_null_replies(tmp_path, fake_sglang):
+    """release/resume_memory_occupation return nothing, which FastAPI sends as ``200 null``."""
+    engine = make_engine(tmp_path)
+    engine.start()
+    try:
+        engine.resume(weights(0))
+        engine.drain(0.1)
+        engine.release()  # pause, flush, release: the reply is `null`
+        engine.resume(weights(1))  # resume weights (`null`), load, resume the rest (`null`)
+        assert engine.weight_version == 1 and fake_sglang()["released"] == []
+    finally:
+        engine.stop()
+
+
+def test_updates_name_their_load_format_for_a_dummy_started_server(tmp_path, fake_sglang):
+    """Started with --load-format dummy, SGLang loads an update in the server's format unless the
+    request names one, and the dummy loader cannot update: "Failed to get model loader"."""
+    from tests.support import sglang_contract
+
+    engine = make_engine(tmp_path)
+    engine.start()
+    try:
+        assert "dummy" in fake_sglang()["argv"]
+        engine.resume(weights(0))
+        body = fake_sglang()["calls"][-1][1]
+        assert body["load_format"] == "safetensors" and body["load_format"] in sglang_contract.load_formats()
+        assert fake_sglang()["loaded"][-1]["load_format"] == "safetensors"
+    finally:
+        engine.stop()
+
+
+def late_call(engine: SGLangEngine) -> threading.Thread:
+    """A call that reaches the server after the drain and before the pause."""
+    t = threading.Thread(target=lambda: generate(engine.url, 2000), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while engine.num_running() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return t
+
+
+def test_release_waits_until_flush_cache_says_the_scheduler_is_idle(tmp_path, fake_sglang):
+    """A call that arrives after the drain is aborted by the pause but stays in the scheduler a
+    while; SGLang refuses the release until then, so the engine retries /flush_cache until 200."""
+    engine = make_engine(tmp_path)
+    engine.start()
+    try:
+        engine.resume(weights(0))
+        assert engine.drain(0.1) == 0
+        t = late_call(engine)
+        engine.release()
+        t.join(10)
+        names = [c[0] for c in fake_sglang()["calls"]]
+        flushes = names[names.index("pause_generation") + 1 : names.index("release_memory_occupation")]
+        assert len(flushes) >= 2 and set(flushes) == {"flush_cache"}  # refused at least once, then idle
+        engine.resume(weights(1))
+        assert engine.weight_version == 1
+    finally:
+        engine.stop()
+
+
+def test_flush_cache_gives_up_after_its_deadline(tmp_path, fake_sglang, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_ABORT_LINGER_S", "30")  # the aborted call never leaves in time
+    engine = make_engine(tmp_path, flush_cache_timeout_s=0.5)
+    engine.start()
+    try:
+        engine.resume(weights(0))
+        late_call(engine)
+        t0 = time.monotonic()
+        with pytest.raises(SGLangError, match=r"/flush_cache: .*not idle after 0.5s"):
+            engine.release()
+        assert time.monotonic() - t0 < 10
+        assert "release_memory_occupation" not in [c[0] for c in fake_sglang()["calls"]]
+    finally:
+        engine.stop()
+
+
+def test_an_empty_or_null_reply_is_success_only_where_sglang_sends_one(tmp_path, fake_sglang):
+    engine = make_engine(tmp_path)
+    engine.start()
+    try:
+        assert engine._post("/release_memory_occupation", {}, want_json=False) == {}
+        assert engine._post("/resume_memory_occupation", {}, want_json=False) == {}
+        assert engine._post("/abort_request", {"abort_all": True}, want_json=False) == {}  # empty 200
+        with pytest.raises(SGLangError, match="/abort_request: want a JSON object, got empty reply"):
+            engine._post("/abort_request", {"abort_all": True})
+        with pytest.raises(SGLangError, match="/resume_memory_occupation: want a JSON object, got null"):
+            engine._post("/resume_memory_occupation", {})
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------- the contract, from the sglang wheel
+
+
+def test_every_body_the_engine_sends_is_one_sglang_accepts(tmp_path, fake_sglang):
+    """Route by route, each request body in a whole lifecycle (start, load, update, drain with an
+    abort, switch to train and back) converts strictly into the type SGLang's own route declares
+    (sglang/srt/entrypoints/http_server.py -> sglang/srt/managers/io_struct.py)."""
+    from tests.support import sglang_contract
+
+    sglang_contract.wheel_root()
+    engine = make_engine(tmp_path)
+    engine.start()
+    try:
+        engine.resume(weights(0))
+        engine.update_weights(weights(1))
+        late_call(engine)
+        assert engine.drain(0.05) == 1
+        late_call(engine)
+        engine.release()
+        engine.resume(weights(2))
+    finally:
+        engine.stop()
+    calls = fake_sglang()["calls"]
+    assert {c[0] for c in calls} == {"update_weights_from_disk", "abort_request", "pause_generation", "flush_cache",
+                                     "release_memory_occupation", "resume_memory_occupation", "continue_generation"}
+    for name, body in calls:
+        route = "/" + name
+        if name == "flush_cache":  # no body; only the query parameters the route declares
+            assert set(body["query"]) <= sglang_contract.route_query_params(route)
+            continue
+        sglang_contract.check_body(route, body)
+        if name == "abort_request":
+            sglang_contract.check_api_type("AbortRequest", body)
+
+
+def test_the_stand_in_answers_in_sglangs_types(tmp_path, fake_sglang):
+    from tests.support import sglang_contract
+
+    sglang_contract.wheel_root()
+    engine = make_engine(tmp_path)
+    engine.start()
+
+    def ask(path: str, body: dict | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(engine.url + path, method="GET" if body is None else "POST",
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    try:
+        engine.resume(weights(0))
+        reply = generate(engine.url, 3)
+        sglang_contract.check_api_type("GenerateResponse", reply)
+        _, info = ask("/model_info")
+        sglang_contract.check_api_type("GetModelInfoResponse", json.loads(info))
+        assert json.loads(info)["load_format"] == "dummy"
+
+        update_fields = {f.name for f in msgspec_fields(sglang_contract.io_struct("UpdateWeightFromDiskReqOutput"))}
+        status, raw = ask("/update_weights_from_disk", {"model_path": engine._weights_path})  # the server's format
+        assert status == 400 and json.loads(raw)["message"].startswith("Failed to get model loader")
+        assert set(json.loads(raw)) <= update_fields
+        status, raw = ask("/update_weights_from_disk", {"model_path": engine._weights_path,
+                                                         "load_format": "safetensors", "weight_version": "9"})
+        assert status == 200 and json.loads(raw)["success"] is True and set(json.loads(raw)) <= update_fields
+
+        for path in ("/pause_generation", "/continue_generation"):
+            status, raw = ask(path, {})
+            assert status == 200 and json.loads(raw) == {"message": json.loads(raw)["message"], "status": "ok"}
+        assert ask("/flush_cache")[0] == 200 and ask("/flush_cache", {})[0] == 200
+        assert ask("/release_memory_occupation", {}) == (200, b"null")
+        assert ask("/resume_memory_occupation", {}) == (200, b"null")
+    finally:
+        engine.stop()
+
+
+def msgspec_fields(struct: type) -> tuple:
+    import msgspec
+
+    return msgspec.structs.fields(struct)

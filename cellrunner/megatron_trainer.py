@@ -269,6 +269,8 @@ class MegatronTrainer:
         self._offloaded = False
         self._host_params: param_offload.Offloaded | None = None
         self._host_state: list[tuple[dict, str]] = []
+        self._host_by_id: dict[int, torch.Tensor] = {}
+        """While offloaded: each parameter's (and fp32 main copy's) host copy, by ``id``."""
         self._global_layers: list[int] = []
         self._pad_cols: torch.Tensor | None = None  # this rank's padded vocabulary columns
 
@@ -318,8 +320,13 @@ class MegatronTrainer:
             self.version = -1
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # hand the memory back to the serving engine
-        elif self.cfg.offload_when_serving and torch.cuda.is_available():
+        elif self._offloads():
             self._offload()
+
+    def _offloads(self) -> bool:
+        """Whether ``stop`` gives the core's memory to the serving engine: on CUDA, when configured
+        (the CPU tests turn it on for the host to run the same path)."""
+        return self.cfg.offload_when_serving and torch.cuda.is_available()
 
     def weights(self, *, everywhere: bool = True) -> FlatWeights | None:
         """The full model in the HF layout, float32. ``everywhere``: on every rank of the cell (an
@@ -331,9 +338,14 @@ class MegatronTrainer:
             raise NotImplementedError("weights(): gathering experts over expert-parallel ranks is not built; use EP=1")
         if not everywhere and self.dp_rank != 0:
             return None  # a data-parallel replica of what DP rank 0 exports
-        # .to(device): a core that offloaded while serving gathers its host copies on the GPU
-        local = self._local_state(lambda p: p.detach().to(self.device))
-        hf = self._to_hf(local, everywhere=everywhere)
+        # An offloaded core (it serves) exports from the host copies the offload keeps: its own
+        # parameters' storage is freed. Of the ways to export while serving this costs the least
+        # GPU memory: none with TP=1 (all on the host), one tensor's TP shards at a time with TP>1
+        # (NCCL gathers on the device, each result back to the host at once). Bringing the
+        # parameters back would take the shard's whole size from the engine that holds the GPU now;
+        # an export cached at stop() would cost a full float32 host copy at every switch, used or not.
+        local = self._local_state(lambda p: self._values(p).detach())
+        hf = self._to_hf(local, everywhere=everywhere, to_host=self._offloaded)
         if hf is None:
             return None
         multi_stage = parallel_state.get_pipeline_model_parallel_world_size() > 1
@@ -363,7 +375,7 @@ class MegatronTrainer:
         for name, p in params.items():
             specs.append(TensorSpec(name=name, shape=list(p.shape), offset=offset))
             offset += p.numel()
-        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params.values()])
+        flat = torch.cat([self._values(p).detach().reshape(-1).float().cpu() for p in params.values()])
         return FlatWeights(self.version, tuple(specs), flat.numpy())
 
     def start_local(self, weights: FlatWeights) -> None:
@@ -463,7 +475,7 @@ class MegatronTrainer:
         if multi:
             dist.barrier()
         if self.dp_rank == 0:
-            tensors = {f"param/{n}": t.float().contiguous().cpu() for n, t in self._named_params().items()}
+            tensors = {f"param/{n}": self._values(t).float().contiguous().cpu() for n, t in self._named_params().items()}
             for n, state in self._adam_state().items():
                 for k, v in state.items():
                     tensors[f"{k}/{n}"] = v.float().contiguous().cpu() if v.dim() else v.reshape(1).float().cpu()
@@ -494,6 +506,7 @@ class MegatronTrainer:
         from safetensors.torch import load_file
 
         assert self.model is not None, "load_checkpoint before start()"
+        assert not self._offloaded, "load_checkpoint while offloaded: start() brings the replica back first"
         try:
             with open(os.path.join(directory, CHECKPOINT_MANIFEST)) as f:
                 manifest = json.load(f)
@@ -573,9 +586,12 @@ class MegatronTrainer:
             state.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
         return state
 
-    def _to_hf(self, local: dict[str, torch.Tensor], *, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
+    def _to_hf(self, local: dict[str, torch.Tensor], *, everywhere: bool = True,
+               to_host: bool = False) -> dict[str, torch.Tensor] | None:
         """This rank's tensors and its TP peers' as full HF tensors: on every TP rank (an
-        all-gather), or (``everywhere=False``) on TP rank 0 only (a gather), None elsewhere."""
+        all-gather), or (``everywhere=False``) on TP rank 0 only (a gather), None elsewhere.
+        ``to_host``: ``local`` is on the host and so is the result; each tensor visits the device
+        only for its own gather (the serving engine holds the GPU)."""
         if self.tp_size == 1:
             shards = [local]
         else:
@@ -583,14 +599,15 @@ class MegatronTrainer:
             gets = everywhere or self.tp_rank == 0
             shards = [{} for _ in range(self.tp_size)]
             for name in sorted(local):  # the same order on every TP rank
-                t = local[name].contiguous()
+                t = local[name].to(self.device).contiguous()
                 parts = [torch.empty_like(t) for _ in range(self.tp_size)] if gets else None
                 if everywhere:
                     dist.all_gather(parts, t, group=group)
                 else:  # to the global rank of this group's TP rank 0
                     dist.gather(t, parts, dst=parallel_state.get_tensor_model_parallel_src_rank(), group=group)
                 for r in range(self.tp_size if gets else 0):
-                    shards[r][name] = parts[r]
+                    shards[r][name] = parts[r].cpu() if to_host else parts[r]
+                del t, parts
             if not gets:
                 return None
         return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
@@ -671,7 +688,7 @@ class MegatronTrainer:
         for name, (main, state) in self._optimizer_params().items():
             entry = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
             if main is not None:
-                entry["main"] = main.detach()
+                entry["main"] = self._values(main).detach()
             out[name] = entry
         return out
 
@@ -725,6 +742,7 @@ class MegatronTrainer:
             tensors.update((id(p), p) for group in opt.param_groups for p in group["params"])
         self.model.offload_grad_buffers()
         self._host_params = param_offload.offload(list(tensors.values()), reuse=self._host_params)
+        self._host_by_id = {id(p): host for p, host in self._host_params.params}
         self._host_state = []  # Adam's moments: plain tensors in a dict, no hooks on them
         for opt in self._torch_optimizers():
             for state in opt.state.values():
@@ -735,10 +753,21 @@ class MegatronTrainer:
         torch.cuda.empty_cache()
         self._offloaded = True
 
+    def _values(self, p: torch.Tensor) -> torch.Tensor:
+        """Where ``p``'s values are now: ``p`` itself, or its host copy while offloaded (the
+        parameter's own storage is then freed: reading it reads nothing, or freed memory)."""
+        if not self._offloaded:
+            return p
+        host = self._host_by_id.get(id(p))
+        if host is None:
+            raise RuntimeError("an offloaded parameter without a host copy")
+        return host
+
     def _restore(self) -> None:
         param_offload.restore(self._host_params)  # its host buffers stay for the next offload
         self.model.restore_grad_buffers()
         for state, k in self._host_state:
             state[k] = state[k].to(self.device)
         self._host_state = []
+        self._host_by_id = {}
         self._offloaded = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import msgpack
@@ -108,9 +109,15 @@ def _is(value: Any, kind: type) -> bool:
 class CommandChannel:
     """Rank 0 sends, every other rank receives, in the same order (a broadcast per command)."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, *, timeout_s: float | None = None):
+        """``timeout_s``: how long a follower's ``recv`` (and every collective here) may wait, the
+        cell's ``trainer.command_timeout_s``; None keeps torch's default (30 minutes for gloo),
+        shorter than a cell may serve while its followers wait for the next command."""
         # Commands are host bytes: a gloo group even when the default one is NCCL.
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        if group is None:
+            timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+            group = dist.new_group(backend="gloo", timeout=timeout)
+        self.group = group
 
     def send(self, op: str, **args: Any) -> None:
         data = encode_command(op, **args)

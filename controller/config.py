@@ -151,6 +151,12 @@ class GyreConfig:
             raise ValueError("algo.release=run keeps a gradient-sized buffer per execution until its group "
                              "closes, which the embedded trainer does and trainer=megatron does not: set "
                              "algo.release=group")
+        engine_start_s = self.engine.startup_timeout_s if isinstance(self.engine, SGLangConfig) else 0.0
+        if self.cluster.start_timeout_s < engine_start_s:
+            # A cell is ready only once its engine is: a shorter wait stops a run whose engine is
+            # still inside its own start timeout (cluster=slurm had 300 s against SGLang's 600).
+            raise ValueError(f"cluster.start_timeout_s={self.cluster.start_timeout_s:g} is shorter than "
+                             f"engine.startup_timeout_s={engine_start_s:g}, the engine's own start: raise it")
         if self.scheduler.kind == "async" and not 1 <= self.scheduler.train_cells < self.cluster.num_cells:
             raise ValueError("scheduler.train_cells: async needs 1..num_cells-1 training cells")
         # Only the bundled harness asks for workload.max_new_tokens; real harnesses ask their own

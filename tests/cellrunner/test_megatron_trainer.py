@@ -64,7 +64,7 @@ def algo_cfg(**over) -> AlgoConfig:
 def megatron_cfg(tp: int = 1) -> MegatronConfig:
     return MegatronConfig(kind="megatron", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                           expert_model_parallel_size=1, params_dtype="float32", layer_spec="local", pad_vocab_to=128,
-                          offload_when_serving=False, moe_aux_loss_coeff=0.0)
+                          offload_when_serving=False, moe_aux_loss_coeff=0.0, command_timeout_s=3600.0)
 
 
 def make_shard(seed: int, *, step: int = 0, num_seqs: int = 4, on_policy_from: EmbeddedTrainer | None = None) -> wire.Shard:

@@ -72,3 +72,20 @@ def test_backends_are_groups_and_kind_picks_the_typed_config():
         load("trainer.kind=deepspeed")
     with pytest.raises(ConfigError, match="engine: unknown key"):
         load("+engine.tp_size=2")  # the embedded engine has no such knob
+
+
+def test_a_cell_may_start_as_long_as_its_engine_does():
+    # A cell is ready once its engine is: a shorter start wait stops runs whose engine is still
+    # inside its own start timeout (cluster=slurm had 300 s against SGLang's 600).
+    assert load().cluster.start_timeout_s == 120.0  # the embedded engine has no start timeout of its own
+    assert load("engine=sglang").cluster.start_timeout_s == 600.0  # local follows the engine's
+    slurm = load("cluster=slurm", "engine=sglang")
+    assert slurm.cluster.start_timeout_s >= slurm.engine.startup_timeout_s
+    with pytest.raises(ConfigError, match="start_timeout_s=300 is shorter than engine.startup_timeout_s=600"):
+        load("cluster=slurm", "engine=sglang", "cluster.start_timeout_s=300")
+    with pytest.raises(ConfigError, match="shorter than engine.startup_timeout_s=1200"):
+        load("cluster=slurm", "engine=sglang", "engine.startup_timeout_s=1200")
+    assert load("cluster=slurm", "cluster.start_timeout_s=300").cluster.start_timeout_s == 300.0  # embedded engine
+    assert load("trainer=megatron").trainer.command_timeout_s >= 7 * 24 * 3600
+    with pytest.raises(ConfigError, match="command_timeout_s"):
+        load("trainer=megatron", "trainer.command_timeout_s=0")

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from controller.config import GyreConfig, build_config
 from controller.controller import Controller, RunFailed, make_run_dir
+from controller.layout import check_job
 from controller.processes import StartError
 from controller.report import plot_rewards, plot_roles, plot_run_lengths, plot_water_level, write_markdown, write_summary
 from controller.submit import SubmititLauncherConfig, build_launcher, submit_run
@@ -49,6 +50,10 @@ def run_resuming(cfg: GyreConfig) -> dict:
 
 
 def run(cfg: GyreConfig) -> dict:
+    if cfg.cluster.kind == "slurm":  # Megatron's and SGLang's layout rules, before any step starts
+        layout = check_job(cfg, os.environ)
+        if layout is not None and not layout.ok:
+            raise StartError(f"layout: {layout.why} (python -m controller.layout shows the whole layout)")
     run_dir = make_run_dir(cfg.run.runs_dir, cfg.run.name, cfg.run.run_id)
     logging.basicConfig(
         level=cfg.run.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -22,6 +22,7 @@ node's address (a hostname lookup); ``127.0.0.1`` is for virtual nodes on one ma
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -232,16 +233,26 @@ class SlurmCells:
 
 # ==================================================================== step end
 
+def cell_nodes_tag(cell_nodes: str) -> str:
+    """``n`` and 12 hex digits of the sha256 of a cell's comma-separated node list: a bounded,
+    stable name for per-rank files (the same nodes give the same tag in every task)."""
+    return "n" + hashlib.sha256(cell_nodes.encode()).hexdigest()[:12]
+
+
 def bind_config_to_node(config_path: str, cell_nodes: str, rank: int = 0) -> str:
     """With ``host: auto`` the shared cellrunner config names no address: write this task's copy
     with the address of the node it runs on (every rank binds there: the leader its engine and
     sockets, each core rank its gradient inbox), and return its path. One file per rank: tasks on
-    other nodes of the cell write theirs at the same moment, on a shared filesystem."""
+    other nodes of the cell write theirs at the same moment, on a shared filesystem.
+
+    The copy is named by a short hash of the cell's node list, not the list itself: a file name
+    holds at most 255 bytes, and 48 joined node names are far more (cells hold disjoint nodes, so
+    the hash and the rank keep every copy apart)."""
     cfg = json.loads(Path(config_path).read_text())
     if cfg.get("host") != AUTO_HOST:
         return config_path
     cfg["host"] = resolve_host(AUTO_HOST)
-    path = Path(config_path).with_name(f"{Path(config_path).stem}.{cell_nodes.replace(',', '_')}.r{rank}.json")
+    path = Path(config_path).with_name(f"{Path(config_path).stem}.{cell_nodes_tag(cell_nodes)}.r{rank}.json")
     path.write_text(json.dumps(cfg, indent=1))
     return str(path)
 

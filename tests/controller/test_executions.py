@@ -115,7 +115,7 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
         proc = ex.spawning.result(timeout=30)  # spawned on the manager's spawner threads
         assert cfg.harness_nice > 0 and os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + cfg.harness_nice)
         # The token travels in the environment, never on argv (readable by any local user in /proc).
-        token = _environ(proc.pid)["OPENAI_API_KEY"]
+        token = _harness_environ(proc.pid)["OPENAI_API_KEY"]
         assert verify_token(b"k" * 32, token) == ("s4-g0-e0", 3, True)  # a training run: sampled at algo.rollout
         assert token not in " ".join(proc.args)
     finally:
@@ -143,9 +143,18 @@ def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
     assert mgr.ended_groups(1) == set()
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+def _harness_environ(pid: int, timeout_s: float = 10.0) -> dict[str, str]:
+    """The environment of ``pid`` once it runs the harness itself. The sandbox's launcher (inner.py)
+    exec's the harness: read during that exec, /proc/PID/environ is empty, so wait for the
+    harness's command line first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        if b"sandbox/inner.py" not in cmdline and b"harness.py" in cmdline and raw:
+            return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+        assert time.monotonic() < deadline, f"pid {pid} never ran the harness: {cmdline!r}"
+        time.sleep(0.01)
 
 
 def test_harness_output_and_grade_are_kept_in_the_execution_folder(tmp_path):

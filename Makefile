@@ -112,7 +112,8 @@ bench: venv litellm
 	$(BIN)/python -m bench.elastic --workload drift --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-drift
 	$(BIN)/python -m bench.simulate --drift --fit runs/bench-elastic/result.json --calibrate runs/bench-elastic-drift/result.json
 
-# The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in its own venv, on a GPU node.
+# The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in .venv-gpu, on a GPU node: the venv the
+# GPU recipes (slurm/gyre_122b.sbatch, gyre_2p4t.sbatch) and gpu-check run with (scripts/gpu_requirements.py).
 gpu-env:
 	scripts/install_gpu.sh
 

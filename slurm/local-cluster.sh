@@ -2,6 +2,10 @@
 # A real Slurm 22.05 on one machine, for tests and for trying the sbatch scripts: munged,
 # MariaDB + slurmdbd (submitit needs sacct to see a job that died without a result), slurmctld
 # and one slurmd per virtual node n1..n8, all as plain background processes (no systemd).
+# A second cluster with other names, sizes and ports runs beside it (its own directory and ports):
+#
+#   SLURM_LOCAL_DIR=/tmp/slurm-long SLURM_LOCAL_NODES=192 SLURM_LOCAL_NODE_PREFIX=gyre-compute-node- \
+#     SLURM_LOCAL_NODE_DIGITS=4 SLURM_LOCAL_PORT_OFFSET=1000 WITH_DBD=0 slurm/local-cluster.sh up
 #
 #   slurm/local-cluster.sh up        # idempotent: a cluster already up is left as it is
 #   eval "$(slurm/local-cluster.sh env)"   # export SLURM_CONF for sbatch/srun/squeue/submitit
@@ -10,7 +14,10 @@
 #
 # Knobs (environment): SLURM_LOCAL_DIR (default /tmp/slurm-local), SLURM_LOCAL_NODES (8),
 # SLURM_LOCAL_CPUS (CPUs declared per node, 4), WITH_DBD (1: accounting; 0: none, 0.5 s faster),
-# ADD_HOSTS (1: map n1..nN to 127.0.0.1 in /etc/hosts, for tools that resolve node names).
+# ADD_HOSTS (1: map n1..nN to 127.0.0.1 in /etc/hosts, for tools that resolve node names),
+# SLURM_LOCAL_NODE_PREFIX (n) and SLURM_LOCAL_NODE_DIGITS (0: n1..n8; 4: n0001..), the node names,
+# SLURM_LOCAL_PORT_OFFSET (0), added to every port below, so two clusters never share one,
+# SLURM_LOCAL_MSG_TIMEOUT (10 s, Slurm's default): how long srun waits for a node's launch reply.
 # Why each slurm.conf line is there: ../shared/notes/slurm-local.md (measured on this image).
 set -euo pipefail
 
@@ -19,13 +26,19 @@ NNODES=${SLURM_LOCAL_NODES:-8}
 NODE_CPUS=${SLURM_LOCAL_CPUS:-4}
 WITH_DBD=${WITH_DBD:-1}
 ADD_HOSTS=${ADD_HOSTS:-0}
-CTLD_PORT=16817
-DBD_PORT=16819
-MYSQL_PORT=13306
-NODE_PORT0=17001
+PREFIX=${SLURM_LOCAL_NODE_PREFIX:-n}
+DIGITS=${SLURM_LOCAL_NODE_DIGITS:-0}
+OFFSET=${SLURM_LOCAL_PORT_OFFSET:-0}
+MSG_TIMEOUT=${SLURM_LOCAL_MSG_TIMEOUT:-10}
+[[ $NNODES =~ ^[1-9][0-9]*$ && $DIGITS =~ ^[0-9]$ && $OFFSET =~ ^[0-9]+$ && $MSG_TIMEOUT =~ ^[1-9][0-9]*$ && $PREFIX =~ ^[A-Za-z][A-Za-z0-9-]*$ ]] \
+    || { echo "local-cluster: bad SLURM_LOCAL_NODES/_NODE_DIGITS/_PORT_OFFSET/_MSG_TIMEOUT/_NODE_PREFIX" >&2; exit 2; }
+CTLD_PORT=$((16817 + OFFSET))
+DBD_PORT=$((16819 + OFFSET))
+MYSQL_PORT=$((13306 + OFFSET))
+NODE_PORT0=$((17001 + OFFSET))
 CONF=$SLAB/etc/slurm.conf
 PIDS=$SLAB/run/pids            # "name pid" per line, in start order; `down` reads it backwards
-HOSTS_TAG="# slurm-local-up"
+HOSTS_TAG="# slurm-local-up $SLAB"   # per cluster: one cluster's `down` leaves another's lines
 APT_LINE="apt-get install -y --no-install-recommends slurm-wlm munge slurmdbd mariadb-server"
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
@@ -50,6 +63,9 @@ need_binaries() {
         die "missing ${missing[*]}; install them with: $APT_LINE"
     fi
 }
+
+node() { printf '%s%0*d' "$PREFIX" "$DIGITS" "$1"; }   # node 7 -> n7, or gyre-compute-node-0007
+NODES="$PREFIX[$(printf '%0*d' "$DIGITS" 1)-$(printf '%0*d' "$DIGITS" "$NNODES")]"   # Slurm's hostlist form
 
 bin() { command -v "$1" 2>/dev/null || echo "/usr/sbin/$1"; }
 
@@ -125,8 +141,9 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=4
 SlurmdTimeout=60
+MessageTimeout=$MSG_TIMEOUT
 $acct
-NodeName=n[1-$NNODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$((NODE_PORT0 + NNODES - 1))] CPUs=$NODE_CPUS RealMemory=2000 State=UNKNOWN
+NodeName=$NODES NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$((NODE_PORT0 + NNODES - 1))] CPUs=$NODE_CPUS RealMemory=2000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
     # slurmdbd has no -f: its config must sit beside slurm.conf, mode 0600.
@@ -197,7 +214,7 @@ cmd_up() {
     local t0=$SECONDS
     mkdir -p "$SLAB"/{etc,state,log,run,munge}
     local i
-    for ((i = 1; i <= NNODES; i++)); do mkdir -p "$SLAB/spool/n$i"; done
+    for ((i = 1; i <= NNODES; i++)); do mkdir -p "$SLAB/spool/$(node "$i")"; done
     chmod 755 "$SLAB/munge"   # munged refuses a socket directory without execute for all
     : >"$PIDS"
     write_slurm_conf
@@ -212,14 +229,25 @@ cmd_up() {
     fi
     start slurmctld "$SLAB/log/slurmctld.out" "$(bin slurmctld)" -D -f "$CONF"
     wait_for 30 slurmctld "$SLAB/log/slurmctld.log" ctld_up
+    local name
     for ((i = 1; i <= NNODES; i++)); do
-        start "slurmd-n$i" "$SLAB/log/slurmd-n$i.out" "$(bin slurmd)" -D -f "$CONF" -N "n$i"
+        name=$(node "$i")
+        start "slurmd-$name" "$SLAB/log/slurmd-$name.out" "$(bin slurmd)" -D -f "$CONF" -N "$name"
     done
-    wait_for 30 "slurmd x$NNODES" "$SLAB/log/slurmd-n1.log" nodes_ready
-    if [[ $ADD_HOSTS == 1 ]] && ! grep -q "$HOSTS_TAG" /etc/hosts; then
-        echo "127.0.0.1 $(eval echo n{1..$NNODES}) $HOSTS_TAG" >>/etc/hosts
+    # Registration takes longer with many slurmd (192 on 2 loaded cores: up in 3-6 s, 2026-12-06).
+    wait_for $((30 + NNODES / 4)) "slurmd x$NNODES" "$SLAB/log/slurmd-$(node 1).log" nodes_ready
+    if [[ $ADD_HOSTS == 1 ]] && ! grep -qF "$HOSTS_TAG" /etc/hosts; then
+        # 16 names a line keeps each /etc/hosts line short at any node count.
+        local line=()
+        for ((i = 1; i <= NNODES; i++)); do
+            line+=("$(node "$i")")
+            if ((${#line[@]} == 16 || i == NNODES)); then
+                echo "127.0.0.1 ${line[*]} $HOSTS_TAG" >>/etc/hosts
+                line=()
+            fi
+        done
     fi
-    log "up in $((SECONDS - t0))s: $NNODES nodes n[1-$NNODES]; use: eval \"\$($0 env)\""
+    log "up in $((SECONDS - t0))s: $NNODES nodes $NODES; use: eval \"\$($0 env)\""
 }
 
 cmd_env() {
@@ -267,9 +295,9 @@ cmd_down() {
     fi
     [[ -f $PIDS ]] && stop_recorded
     rm -f "$PIDS"
-    if grep -q "$HOSTS_TAG" /etc/hosts 2>/dev/null; then
+    if grep -qF "$HOSTS_TAG" /etc/hosts 2>/dev/null; then
         # /etc/hosts may be a bind mount: rewrite in place rather than replace the file.
-        local kept; kept=$(grep -v "$HOSTS_TAG" /etc/hosts)
+        local kept; kept=$(grep -vF "$HOSTS_TAG" /etc/hosts)
         printf '%s\n' "$kept" >/etc/hosts
     fi
     log "down"

@@ -12,6 +12,7 @@ intact; only folders with ``checkpoint.json`` count. No pickle: safetensors and 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +27,7 @@ from controller.checkpoints import META_FILE, Checkpoint
 from controller.wire import TensorSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+log = logging.getLogger(__name__)
 
 
 def save_checkpoint(
@@ -97,6 +99,14 @@ def load_optimizer_state(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, nam
         }
     state["state"] = new_state
     optimizer.load_state_dict(state)
+    # lr, betas, eps and weight decay come from the config (an operator may change lr on a
+    # resume); say so when they are not the ones the checkpoint was trained with.
+    saved = meta.get("group") or {}
+    now = {k: list(v) if isinstance(v, tuple) else v for k, v in optimizer.param_groups[0].items() if k in saved}
+    changed = sorted(k for k in now if now[k] != saved[k])
+    if changed:
+        log.warning("%s: optimizer %s from the config, not the checkpoint's (%s)", ckpt.path,
+                    ", ".join(f"{k}={now[k]!r}" for k in changed), ", ".join(f"{k}={saved[k]!r}" for k in changed))
 
 
 def _meta(ckpt: Checkpoint) -> dict:

@@ -9,6 +9,7 @@ weighting: a mean of per-execution means) and steps the optimizer.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -205,7 +206,8 @@ class EmbeddedTrainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def apply(self, satellite_grads: list[np.ndarray], num_executions: int) -> tuple[FlatWeights, float]:
-        """Core only: combine gradients, mean over executions, clip, AdamW step -> next version."""
+        """Core only: combine gradients, mean over executions, clip, AdamW step -> next version.
+        A step whose gradient is all zero or not finite advances the version without an update."""
         assert self.is_core and self.model is not None and self.optimizer is not None
         if len(self.run_released):
             raise RuntimeError("apply before the run-released gradients were folded in")
@@ -222,9 +224,20 @@ class EmbeddedTrainer:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
         norm = float(torch.linalg.vector_norm(flat).item())
-        if self.algo.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
-        self.optimizer.step()
+        if not math.isfinite(norm):
+            # One inf/NaN would poison every weight and both moments for good: skip the update, as
+            # Megatron's optimizer does on found_inf; the NaN norm reaches the metrics (controller.health).
+            log.error("step to version %d: gradient norm %s, optimizer step skipped", self.version + 1, norm)
+        elif not flat.any():
+            # No data in the step (every advantage 0): no update and no Adam step. Stepping on a
+            # zero gradient still moves the weights along the decaying first moment, and over a
+            # long streak the second moment decays toward 0, so the first real gradient after it
+            # gets a sign-like update of ~lr on every element (tests/cellrunner/test_zero_advantage.py).
+            pass
+        else:
+            if self.algo.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
+            self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         self.num_microsteps = 0
         self.version += 1

@@ -3,6 +3,7 @@ processes every 20-60 s, then checked for what must hold whatever was killed.
 
     python -m bench.soak                       # 30 minutes (make bench)
     python -m bench.soak --minutes 3 --kill-every 5,10   # a short look
+    python -m bench.soak --minutes 60 --no-kills         # the same run left alone: the baseline
 
 The run is one ``run.run_id``. Victims, drawn at random among those alive: the trajectory
 processor (the controller restarts it in place), the harness proxy, the core cell, a satellite
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs-dir", type=Path, default=None, help="default: a temporary folder, removed")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (with --runs-dir it is always kept)")
+    ap.add_argument("--no-kills", action="store_true",
+                    help="no chaos: the same run and checks without a kill, to compare training against")
     args = ap.parse_args(argv)
     low, high = (float(x) for x in args.kill_every.split(","))
     if not 0 < low <= high or args.minutes <= 0:
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chaos = threading.Thread(target=soak.chaos, args=(t0, deadline, (low, high), stop), daemon=True)
     try:
         soak.start(f"run.steps={LONG_RUN_STEPS}")
-        chaos.start()
+        if not args.no_kills:
+            chaos.start()
         while time.monotonic() < deadline:
             assert soak.proc is not None
             if soak.proc.poll() is None:
@@ -302,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{soak.attempts[-1]['rc']}; resuming", file=sys.stderr, flush=True)
             soak.start(f"run.steps={LONG_RUN_STEPS}")
         stop.set()
-        chaos.join()
+        if chaos.is_alive():
+            chaos.join()
         assert soak.proc is not None
         if soak.proc.poll() is None:
             soak.proc.send_signal(signal.SIGKILL)  # the end of the chaos, not a kill of it

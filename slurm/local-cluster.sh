@@ -30,8 +30,14 @@ PREFIX=${SLURM_LOCAL_NODE_PREFIX:-n}
 DIGITS=${SLURM_LOCAL_NODE_DIGITS:-0}
 OFFSET=${SLURM_LOCAL_PORT_OFFSET:-0}
 MSG_TIMEOUT=${SLURM_LOCAL_MSG_TIMEOUT:-10}
-[[ $NNODES =~ ^[1-9][0-9]*$ && $DIGITS =~ ^[0-9]$ && $OFFSET =~ ^[0-9]+$ && $MSG_TIMEOUT =~ ^[1-9][0-9]*$ && $PREFIX =~ ^[A-Za-z][A-Za-z0-9-]*$ ]] \
-    || { echo "local-cluster: bad SLURM_LOCAL_NODES/_NODE_DIGITS/_PORT_OFFSET/_MSG_TIMEOUT/_NODE_PREFIX" >&2; exit 2; }
+knob() {  # knob NAME VALUE REGEX WHAT: stop with a clear line on a bad value
+    [[ $2 =~ $3 ]] || { echo "local-cluster: $1=$2: want $4" >&2; exit 2; }
+}
+knob SLURM_LOCAL_NODES "$NNODES" '^[1-9][0-9]*$' "a node count >= 1"
+knob SLURM_LOCAL_NODE_DIGITS "$DIGITS" '^[0-9]$' "0..9 digits"
+knob SLURM_LOCAL_NODE_PREFIX "$PREFIX" '^[A-Za-z][A-Za-z0-9-]*$' "a letter, then letters, digits or '-'"
+knob SLURM_LOCAL_PORT_OFFSET "$OFFSET" '^[0-9]+$' "an integer >= 0"
+knob SLURM_LOCAL_MSG_TIMEOUT "$MSG_TIMEOUT" '^[1-9][0-9]*$' "seconds >= 1"
 CTLD_PORT=$((16817 + OFFSET))
 DBD_PORT=$((16819 + OFFSET))
 MYSQL_PORT=$((13306 + OFFSET))

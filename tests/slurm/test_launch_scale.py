@@ -4,7 +4,7 @@
 1. The recipe's launch shape: a 192-node job, 4 cells of 48 nodes, each cell one srun step made by
    ``SlurmCells.launch`` (controller/slurm_launch.py), every task a rank (multi-rank, as with the
    recipe's Megatron stack). Every one of the 192 ranks must start on its own node with its rank
-   variables and its own config copy. The embedded stack (torch, ~300 MB a rank) cannot run 192
+   variables and its own config copy. The embedded stack (393 MB a rank for its imports alone) cannot run 192
    times in 24 GiB, so the process each rank execs is a light stand-in (tests/slurm/rank_standin.py);
    srun, the step end and the per-rank config copies are real. Before the copies were named by a
    hash, 48 joined names (~1100 bytes) made each rank's file name too long and every step failed.
@@ -115,3 +115,11 @@ def test_long_node_names_embedded_cells_train_two_steps(long_slurm_env, tmp_path
         copy = run_dir / f"cellrunner.{cell_nodes_tag(','.join(nodes))}.r0.json"
         assert json.loads(copy.read_text())["host"] == "127.0.0.1"
     print(f"\nlong names, embedded: 2 cells x 2 nodes, 2 steps; sbatch --wait {seconds:.1f} s")
+
+
+def test_a_bad_cluster_knob_is_refused_in_one_line():
+    for knob, value in (("SLURM_LOCAL_NODES", "0"), ("SLURM_LOCAL_NODE_PREFIX", "gyre node"),
+                        ("SLURM_LOCAL_PORT_OFFSET", "-5"), ("SLURM_LOCAL_MSG_TIMEOUT", "0")):
+        out = subprocess.run(["bash", str(ROOT / "slurm/local-cluster.sh"), "status"], capture_output=True, text=True,
+                             timeout=30, env={"PATH": "/usr/bin:/bin", knob: value})
+        assert out.returncode == 2 and out.stderr.startswith(f"local-cluster: {knob}={value}: want "), out.stderr

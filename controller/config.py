@@ -13,6 +13,7 @@ from cellrunner.config import (
     EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, ModelConfig, MooncakeConfig, SGLangConfig,
 )
 from cellrunner.hf_folder import check_folder
+from controller.health import HealthConfig
 from controller.loggers.config import LoggerConfig
 from controller.typed_config import build
 from harness_proxy.config import ProxyConfig
@@ -140,6 +141,8 @@ class GyreConfig:
     """``engine=embedded`` (torch, SGLang's native API) or ``engine=sglang`` (the real servers)."""
     logger: LoggerConfig
     """Where the run's figures go besides metrics.jsonl (conf/logger, several at once)."""
+    health: HealthConfig
+    """Thresholds of the training-health warnings (controller.health)."""
 
     def check(self) -> None:
         if self.model.path:  # here, once, before any cell starts on a folder that is not there

@@ -26,6 +26,7 @@ from controller import curve, engine_key, wire
 from controller.cells import Cell, CellRegistry
 from controller.checkpoints import Checkpoint, due, latest_checkpoint, prune
 from controller.config import GyreConfig
+from controller.health import HealthMonitor
 from controller.executions import Execution, ExecutionManager, ProxyEndpoint
 from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
 from controller.loggers import build_loggers
@@ -104,6 +105,8 @@ class Controller:
             core_cell=cfg.cluster.core_cell, total_steps=cfg.run.steps, checkpoint_every=cfg.run.checkpoint_every)
         # A requeued job (same run folder): the core starts from the newest complete checkpoint.
         self.resume_from = latest_checkpoint(run_dir / "checkpoints") if cfg.run.resume else None
+        # Read before this attempt appends: a streak or a fall that spans a resume is still seen.
+        self.health = HealthMonitor(cfg.health, run_dir / "metrics.jsonl")
         self.metrics = MetricsSink(run_dir / "metrics.jsonl", build_loggers(cfg.logger, run_dir, cfg))
         self.step_figures = StepFigures()
         # What the run works on and through what (task set, harness, sandbox): built before any
@@ -525,12 +528,17 @@ class Controller:
         now = time.monotonic()
         if st.mean_reward is not None:
             self.step_rewards.append((msg.step, st.mean_reward))
-        self.metrics.log(
-            "step", t=now - self.t0, step=msg.step, weight_version=msg.weight_version, reward_mean=st.mean_reward,
+        ev = dict(
+            step=msg.step, weight_version=msg.weight_version, reward_mean=st.mean_reward,
             num_executions=st.num_executions, groups_dropped=st.groups_dropped, loss=st.loss,
             num_tokens=st.num_tokens, grad_norm=msg.grad_norm, apply_s=msg.apply_s,
             trainers=sorted(st.done_by_cell), **self.step_figures.figures(msg.step, st),
         )
+        health_fields, warnings = self.health.observe(ev)
+        self.metrics.log("step", t=now - self.t0, **ev, **health_fields)
+        for w in warnings:
+            log.warning("health: %s", w.message)
+            self.metrics.log("health", t=now - self.t0, **w.fields())
         log.info("step %d applied -> version %d (reward %.3f, %d executions, %d shards on cells %s)",
                  msg.step, msg.weight_version, st.mean_reward or 0.0, st.num_executions,
                  sum(len(v) for v in st.done_by_cell.values()), sorted(st.done_by_cell))

@@ -38,6 +38,8 @@ class PrometheusLogger:
                                 registry=self.registry)
         self.cell_version = Gauge("gyre_cell_weight_version", "Weight version the cell holds", ["cell"],
                                   registry=self.registry)
+        self.health = Counter("gyre_health_warnings", "controller.health's warnings, by signal", ["signal"],
+                              registry=self.registry)
         self.step = Gauge("gyre_step", "GSPO steps applied (the core's weight version)", registry=self.registry)
         self.server, self.thread = start_http_server(cfg.port, addr=cfg.host, registry=self.registry)
         host = cfg.host if ":" not in cfg.host else f"[{cfg.host}]"
@@ -52,6 +54,8 @@ class PrometheusLogger:
                 self.executions.labels(outcome=str(outcome)).inc()
             if ev.get("state") == "grade_failed":
                 self.executions.labels(outcome="grader_failures").inc()
+        elif kind == "health" and ev.get("signal"):
+            self.health.labels(signal=str(ev["signal"])).inc()
         elif kind == "progress":
             versions = ev.get("versions") or {}
             for cell, phase in (ev.get("phases") or {}).items():

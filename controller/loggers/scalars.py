@@ -1,9 +1,10 @@
 """metrics.jsonl events -> named scalars, the one mapping every logger shares.
 
 Two x-axes, as an RL engineer reads them: per-step figures (``train/``, ``eval/``, ``tokens/``,
-``staleness/``, ``proxy/``) are indexed by the GSPO step; live figures (``water/``, ``cells/``,
-``switch/``, ``microstep/``, ``executions/``, ``shard/``, ``weights/``) by whole seconds since the
-run started, since they change between steps.
+``staleness/``, ``proxy/``, and ``health/``: controller.health's streak and warnings) are indexed
+by the GSPO step; live figures (``water/``, ``cells/``, ``switch/``, ``microstep/``,
+``executions/``, ``shard/``, ``weights/``) by whole seconds since the run started, since they
+change between steps.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _STEP_FIELDS = {
     "dedup_saved_tokens": "tokens/deduplicated_away",
     "staleness_mean": "staleness/per_call_mean", "staleness_max": "staleness/per_call_max",
     "call_s_mean": "proxy/call_latency_s_mean", "call_s_max": "proxy/call_latency_s_max",
+    "zero_adv_streak": "health/zero_advantage_streak",
 }
 _OUTCOMES = ("finished", "timed_out", "crashed")
 _SWITCHING = ("draining", "to_train", "to_serve", "starting")
@@ -52,6 +54,9 @@ class ScalarView:
         if kind == "eval" and _number(ev.get("reward")):
             return [Scalar(f"eval/reward_{ev.get('label', 'eval')}", float(ev["reward"]), "step", int(ev["step"])),
                     Scalar("eval/reward", float(ev["reward"]), "step", int(ev["step"]))]
+        if kind == "health" and _number(ev.get("value")) and isinstance(ev.get("step"), int):
+            # controller.health's warning: its measured value at its step (a NaN norm is not plotted)
+            return [Scalar(f"health/{ev['signal']}", float(ev["value"]), "step", int(ev["step"]))]
         if kind == "progress":
             phases = list((ev.get("phases") or {}).values())
             return [

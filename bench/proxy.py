@@ -284,8 +284,11 @@ async def serve_engine(tok: QwenTokenizer, records_addr: str, ready_file: Path) 
 async def take_records(addr: str, handle: Callable[[wire.CallRecord | wire.ExecutionSealed], None]) -> None:
     """The processor's side of the proxy's record stream, for the engine doubles: a ROUTER bound on
     ``addr`` that acknowledges each CallRecord and seal at once (as the processor does once it is
-    in its log; the proxy answers a call only then) and hands it to ``handle``. A frame that does
-    not decode ends it: the bench fails loudly."""
+    in its log; the proxy answers a call only then) and hands it to ``handle``. The proxy asks for
+    each execution's logged records before its first call (``SessionReplayRequest``): at that
+    moment the processor has none, and neither has this; a request for an execution that has
+    records (only a restarted proxy asks that, and none restarts here) ends it. A frame that does
+    not decode ends it too: the bench fails loudly."""
     import zmq.asyncio
 
     from trajectory.inbox import ack_frames
@@ -293,9 +296,17 @@ async def take_records(addr: str, handle: Callable[[wire.CallRecord | wire.Execu
     sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(addr)
+    recorded: set[str] = set()
     while True:
         ident, frame = (await sock.recv_multipart())[:2]
-        msg = wire.decode(frame, expect=(wire.CallRecord, wire.ExecutionSealed))
+        msg = wire.decode(frame, expect=(wire.CallRecord, wire.ExecutionSealed, wire.SessionReplayRequest))
+        if isinstance(msg, wire.SessionReplayRequest):
+            if msg.execution_id in recorded:
+                raise RuntimeError(f"session replay asked for {msg.execution_id}, which has records: the proxy restarted")
+            await sock.send_multipart([ident, wire.encode(wire.SessionReplayEnd(execution_id=msg.execution_id,
+                                                                                num_records=0))])
+            continue
+        recorded.add(msg.execution_id)
         for parts in ack_frames([(ident, msg)]):  # type: ignore[list-item]
             await sock.send_multipart(parts)
         handle(msg)  # type: ignore[arg-type]
@@ -377,6 +388,7 @@ class Processes:
                       "max_context_tokens": 262_144, "max_new_tokens_cap": 256, "truncation_ends_turn": False, "engine_timeout_s": 60.0,
                       "retry_attempts": 1, "route_wait_s": 1.0,
                       "record_ack_timeout_s": 120.0, "record_resend_s": 2.0, "max_unacked_record_bytes": 1 << 30,
+                      "session_memory_bytes": 64 << 20, "max_session_bytes": 8 << 30,
                       "execution_budget": {"max_calls": 2000, "max_tokens": 50_000_000, "max_wall_s": 14400.0,
                                            "max_concurrent_calls": 8}},
             "model": {"tokenizer": self.tokenizer, "compact_ranks": 1024},

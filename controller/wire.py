@@ -453,6 +453,48 @@ class CallRecord(Message):
     finish_reason: FinishReason
     lineage: Lineage = "main"
     agent_id: str = ""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionMessage(Message):
+    """One message as the proxy's sessions compare it (``harness_proxy.sessions.normalize_message``):
+    role, text, and each tool call as ``[name, arguments as canonical JSON]``."""
+
+    TAG: ClassVar[str] = "session_message"
+    role: str
+    content: str
+    tool_calls: list[list[str]] = field(default_factory=list)
+
+    def check(self) -> None:
+        if any(len(c) != 2 for c in self.tool_calls):
+            raise ValueError("tool_calls: want [name, arguments] pairs")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionEntry(Message):
+    """What the proxy's SessionStore remembered of one call, carried on its CallRecord, so a
+    restarted proxy remembers the call again exactly (``harness_proxy.sessions``): the call's
+    messages are those of ``base_call_id`` (its request and reply) followed by ``new_messages``."""
+
+    TAG: ClassVar[str] = "session_entry"
+    base_call_id: str
+    """The remembered call this prompt was spliced onto ("" when rendered from scratch)."""
+    base_length: int
+    """How many of this call's ``prompt_ids`` are the base call's remembered ids (0 without a base)."""
+    new_messages: list[SessionMessage]
+    reply: SessionMessage
+    tools_json: str | None = None
+    """The request's tools as canonical JSON; None: the same as the base call's."""
+    line: str
+    """The session key of the call's line ("" main, ``sub-<n>``, ``side-<n>``, or the harness's agent id)."""
+    line_lineage: Lineage
+    line_task_len: int
+    """Messages in the first request of the call's line."""
+
+    def check(self) -> None:
+        _non_negative(base_length=self.base_length, line_task_len=self.line_task_len)
+        if self.base_call_id and not self.base_length:
+            raise ValueError("base_length: want > 0 with a base call")
+
+
     started_at: float
     finished_at: float
     num_tool_calls: int = 0
@@ -483,8 +525,17 @@ class CallRecord(Message):
             raise ValueError("prompt_ids: empty")
         _non_negative(call_index=self.call_index, weight_version=self.weight_version)
         for lp in self.output_logprobs:
+    lineage_reason: str = ""
+    """Why the call got its ``lineage`` (``harness_proxy.sessions.REASONS``): the rule that decided it,
+    and whether a harness-specific hint (a header, a summary marker) did."""
+    session: SessionEntry | None = None
+    """What the proxy's sessions remembered of the call (None for a call that produced nothing)."""
             if not (lp <= 0.0 and math.isfinite(lp)):
                 raise ValueError(f"output_logprobs: want finite values <= 0, got {lp!r}")
+        if len(self.lineage_reason) > 64:
+            raise ValueError("lineage_reason: over 64 characters")
+        if self.session is not None and self.session.base_length >= len(self.prompt_ids) + 1:
+            raise ValueError("session.base_length: longer than the prompt")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -521,7 +572,9 @@ class ExecutionFacts(Message):
         _non_negative(**{f: getattr(self, f) for f in (
             "num_calls", "main_calls", "summary_calls", "sub_agent_calls", "side_calls", "hung_up_calls",
             "num_sub_agents", "prompt_tokens", "output_tokens", "tool_calls", "tree_tokens", "call_s_sum",
-            "call_s_max")})
+            "call_s_max", "main_output_tokens", "untrained_output_tokens")})
+        if len(self.lineage_reasons) > 64:
+            raise ValueError("lineage_reasons: over 64 reasons")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -533,6 +586,13 @@ class ExecutionSealed(Message):
     num_calls: int
 
 
+    main_output_tokens: int = 0
+    """Output tokens of the main agent's calls (summaries included)."""
+    untrained_output_tokens: int = 0
+    """Output tokens never trained because of their calls' label (``side``): the policy wrote them,
+    no gradient sees them."""
+    lineage_reasons: dict[str, int] = field(default_factory=dict)
+    """Calls by the reason their label was given (``CallRecord.lineage_reason``)."""
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecordsAck(Message):
     """The processor -> the proxy: these CallRecords and seals are in its log (durable), so the
@@ -565,6 +625,29 @@ class Delivered(Message):
 
 
 # ---------------------------------------------------------------- data plane: weights and gradients
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReplayRequest(Message):
+    """The proxy -> the processor, on the records socket: send me the logged CallRecords of this
+    execution (a proxy that restarted rebuilds its sessions from them before answering its next call)."""
+
+    TAG: ClassVar[str] = "session_replay_request"
+    execution_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReplayEnd(Message):
+    """The processor -> the proxy: the execution's logged CallRecords went out before this one, as
+    logged, ``num_records`` of them; ``sealed``: the execution is sealed (its token must be refused)."""
+
+    TAG: ClassVar[str] = "session_replay_end"
+    execution_id: str
+    num_records: int
+    sealed: bool = False
+
+    def check(self) -> None:
+        _non_negative(num_records=self.num_records)
+
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -701,6 +784,7 @@ def to_plain(msg: Message) -> dict[str, Any]:
             value = [to_plain(v) for v in value]
         out[f.name] = value
     return out
+        SessionMessage, SessionEntry, SessionReplayRequest, SessionReplayEnd,
 
 
 def encode(msg: Message) -> bytes:

@@ -66,6 +66,20 @@ class ProxyConfig:
     max_unacked_record_bytes: int
     """Records held unacknowledged past this: new calls are refused with a retriable 503 (529)
     before they reach an engine, rather than held without bound."""
+    session_memory_bytes: int
+    """What one execution's remembered calls may hold (token ids and message text, as
+    ``harness_proxy.sessions`` counts them); past it its oldest calls are forgotten (a later call
+    that extended one is rendered from scratch, a branch in its tree)."""
+    max_session_bytes: int
+    """What all executions' remembered calls and waiting prompts may hold together; past it, new
+    calls are refused with a retriable 503 (529 on the Anthropic API) until executions end, before
+    the proxy runs out of memory. 0: no limit."""
     execution_budget: ExecutionBudgetConfig
     """What each execution may take from the engines; over it, its calls are refused (403, or 429
     for too many at once) before they reach one."""
+
+    def check(self) -> None:
+        if self.session_memory_bytes < 1:
+            raise ValueError(f"session_memory_bytes: want >= 1, got {self.session_memory_bytes}")
+        if self.max_session_bytes < 0:
+            raise ValueError(f"max_session_bytes: want >= 0 (0: no limit), got {self.max_session_bytes}")

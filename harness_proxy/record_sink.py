@@ -12,6 +12,9 @@ replays, what it did not the proxy resends, and it drops duplicates by ``wire.re
 - What is unacknowledged after ``resend_s`` is sent again, oldest first.
 - ``backlog_bytes`` is what is held; the server refuses new calls above its limit (503, which the
   Anthropic API calls 529) rather than hold records without bound.
+- ``replay`` asks the processor for an execution's logged CallRecords (``SessionReplayRequest``) and
+  resolves with them once ``SessionReplayEnd`` says all came (``trajectory.session_replay``): a
+  restarted proxy rebuilds the execution's sessions from them before it answers its next call.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
@@ -47,6 +50,27 @@ class RecordSink(Protocol):
         it (in its log)."""
         ...
 
+    def replay(self, execution_id: str) -> asyncio.Future[SessionReplay]:
+        """The execution's CallRecords as the processor logged them (see the module docstring)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SessionReplay:
+    records: list[wire.CallRecord]
+    """In log order, one per call id."""
+    sealed: bool
+
+
+@dataclass
+class _Replay:
+    future: asyncio.Future[SessionReplay]
+    records: list[wire.CallRecord] = field(default_factory=list)
+    """Of the answer now arriving."""
+    num_asked: int = 0
+    """Requests out and not yet answered by a ``SessionReplayEnd``."""
+    asked_at: float = 0.0
+
 
 @dataclass
 class _Pending:
@@ -61,6 +85,7 @@ class ZmqRecordSink:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, resend_s: float = 2.0):
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, RECORD_SNDHWM)
+        self._sock.setsockopt(zmq.RCVHWM, RECORD_SNDHWM)  # a session replay comes one frame per call
         self._sock.setsockopt(zmq.LINGER, 0)  # close() waits for acknowledgements, not for ZMQ
         curve.client(self._sock, "processor")  # no-op unless this process installed the run's keys
         self._sock.connect(addr)
@@ -74,6 +99,8 @@ class ZmqRecordSink:
         self.num_acked = 0
         self.num_resent = 0
         self.num_bad_acks = 0
+        self._replays: dict[str, _Replay] = {}
+        self.num_replays = 0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -103,6 +130,45 @@ class ZmqRecordSink:
         elif not self._open_records[msg.execution_id]:
             self._send(entry)
         return fut
+
+    def replay(self, execution_id: str) -> asyncio.Future[SessionReplay]:
+        held = self._replays.get(execution_id)
+        if held is not None and not held.future.done():
+            return held.future
+        fut: asyncio.Future[SessionReplay] = asyncio.get_running_loop().create_future()
+        if not self._tasks or any(t.done() for t in self._tasks):
+            fut.set_exception(ConnectionError(f"record sink to {self.addr} is not running"))
+            return fut
+        held = self._replays[execution_id] = _Replay(fut)
+        self._ask_replay(execution_id, held)
+        return fut
+
+    def _ask_replay(self, execution_id: str, held: _Replay) -> None:
+        held.asked_at = time.monotonic()
+        held.num_asked += 1
+        self._queue.put_nowait(wire.encode(wire.SessionReplayRequest(execution_id=execution_id)))
+
+    def _on_replayed(self, msg: wire.CallRecord | wire.SessionReplayEnd) -> None:
+        """Frames answering replay requests, in order: each answer's records, then its end."""
+        held = self._replays.get(msg.execution_id)
+        if held is None:
+            return  # not asked for (any more)
+        if isinstance(msg, wire.CallRecord):
+            held.records.append(msg)
+            return
+        held.num_asked -= 1
+        records, held.records = held.records, []
+        if len(records) != msg.num_records and held.num_asked > 0:
+            return  # frames of this answer were lost, and another request is out: wait for its answer
+        del self._replays[msg.execution_id]
+        if held.future.done():
+            return
+        if len(records) != msg.num_records:
+            held.future.set_exception(ConnectionError(
+                f"session replay of {msg.execution_id}: {len(records)} of {msg.num_records} records arrived"))
+            return
+        self.num_replays += 1
+        held.future.set_result(SessionReplay(list({r.call_id: r for r in records}.values()), msg.sealed))
 
     def _send(self, entry: _Pending) -> None:
         entry.sent_at = time.monotonic()
@@ -140,12 +206,15 @@ class ZmqRecordSink:
         while True:
             frame = await self._sock.recv()
             try:
-                ack = wire.decode(frame, expect=(wire.RecordsAck,))
+                msg = wire.decode(frame, expect=(wire.RecordsAck, wire.CallRecord, wire.SessionReplayEnd))
             except wire.ProtocolError as exc:
                 self.num_bad_acks += 1
-                log.error("records socket: not an acknowledgement (%s); ignored", exc)
+                log.error("records socket: not an acknowledgement or a session replay (%s); ignored", exc)
                 continue
-            self.on_ack(ack)  # type: ignore[arg-type]
+            if isinstance(msg, wire.RecordsAck):
+                self.on_ack(msg)
+            else:
+                self._on_replayed(msg)  # type: ignore[arg-type]
 
     async def _resend_loop(self) -> None:
         while True:
@@ -157,6 +226,11 @@ class ZmqRecordSink:
         due = [e for e in self._pending.values() if e.sent_at is not None and now - e.sent_at >= self.resend_s]
         for entry in due:
             self._send(entry)
+        for execution_id, held in list(self._replays.items()):  # a processor restarting: ask again
+            if held.future.done():
+                del self._replays[execution_id]
+            elif now - held.asked_at >= self.resend_s:
+                self._ask_replay(execution_id, held)
         if due:
             self.num_resent += len(due)
             log.warning("resending %d record(s) the processor has not acknowledged in %.1fs (%d held, %d bytes)",
@@ -178,4 +252,7 @@ class ZmqRecordSink:
         for entry in self._pending.values():
             if not entry.future.done():
                 entry.future.set_exception(ConnectionError("record sink closed"))
+        for held in self._replays.values():
+            if not held.future.done():
+                held.future.set_exception(ConnectionError("record sink closed"))
         self._sock.close()

@@ -49,7 +49,7 @@ from harness_proxy.openai_api import (
 )
 from harness_proxy.record_sink import RecordSink
 from harness_proxy.routing import Router
-from harness_proxy.sessions import SESSION_MEMORY_BYTES, SessionStore
+from harness_proxy.sessions import SessionStore
 from harness_proxy.template import ParsedOutput, parse_output, render_messages
 from harness_proxy.tokenizer import QwenTokenizer
 from trajectory.config import RolloutSampling
@@ -159,6 +159,7 @@ class _Call:
     lineage: wire.Lineage = "main"
     agent_id: str = ""
     """The harness's agent id, recorded on the CallRecord ('' for the main agent)."""
+    lineage_reason: str = ""
     capped_by_run: bool = False
     """The run's own cap (``max_new_tokens_cap``), not the harness's ``max_tokens``, bounds this call."""
 
@@ -197,7 +198,7 @@ class ProxyServer:
 
     def __init__(
         self, cfg: ProxyConfig, *, tokenizer: QwenTokenizer, secret: bytes, sink: RecordSink,
-        rollout: RolloutSampling, session_memory_bytes: int = SESSION_MEMORY_BYTES,
+        rollout: RolloutSampling,
         max_revoked: int = MAX_REVOKED_EXECUTIONS, engine_api_key: str = "",
     ):
         """``engine_api_key``: the run's engine key (``controller.engine_key``), sent to every engine.
@@ -209,7 +210,7 @@ class ProxyServer:
         self.rollout = rollout
         self.sink = sink
         self.router = Router()
-        self.sessions = SessionStore(tokenizer, memory_bytes=session_memory_bytes)
+        self.sessions = SessionStore(tokenizer, memory_bytes=cfg.session_memory_bytes)
         self.minted = anthropic_api.MintedToolUses()
         self.url = ""
         self._secret = secret
@@ -220,6 +221,10 @@ class ProxyServer:
         self.guard = ConnectionGuard(read_timeout_s=cfg.read_timeout_s, abuse=self.abuse)
         self.num_records = 0
         self.num_refused_backlog = 0
+        self.num_refused_sessions = 0
+        self.num_restored_executions = 0
+        self.num_restored_calls = 0
+        self._opening: dict[str, asyncio.Future[_Execution]] = {}
         self.trim = TrimAfterSeals()
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._evals: set[str] = set()  # live executions whose token says eval: the harness's sampling stands
@@ -322,14 +327,18 @@ class ProxyServer:
 
     async def _stats(self, request: web.Request) -> web.Response:
         """The proxy's counters: refusals per kind (``abuse.KINDS``), sealed executions held, live
-        ones, the calls in flight per engine URL, and the records the processor has not yet
-        acknowledged (held and resent by the sink)."""
+        ones, the calls in flight per engine URL, the records the processor has not yet
+        acknowledged (held and resent by the sink), what the sessions hold against
+        ``proxy.max_session_bytes``, and the executions rebuilt from the processor's log."""
         return web.json_response({
             "refused": self.abuse.snapshot(), "sealed": self.revoked.stats(),
             "executions_live": len(self._executions), "sessions": self.sessions.num_executions(),
             "calls_recorded": self.num_records, "in_flight": self.router.in_flight_by_url(),
             "records": {"unacked": self.sink.num_unacked, "unacked_bytes": self.sink.backlog_bytes,
                         "resent": self.sink.num_resent, "refused_backlog": self.num_refused_backlog},
+            "session_memory": {"bytes": self.sessions.total_bytes(), "limit": self.cfg.max_session_bytes,
+                               "refused": self.num_refused_sessions},
+            "restored": {"executions": self.num_restored_executions, "calls": self.num_restored_calls},
         })
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -503,16 +512,23 @@ class ProxyServer:
         if self.revoked.is_sealed(execution_id):  # sealed while the body was read
             # (before the entry below is made: a sealed execution's would never be dropped)
             raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
-        exe = self._executions.get(execution_id)
-        if exe is None:
-            exe = self._executions[execution_id] = _Execution(first_call_at=time.monotonic())
-        self._check_budget(execution_id, exe)
         if self.sink.backlog_bytes > self.cfg.max_unacked_record_bytes:
             # The processor is down or behind: refuse before any engine time is spent, rather
             # than hold more records than configured (the harness retries a 503 / 529).
             self.num_refused_backlog += 1
             raise ApiError(503, f"the trajectory processor is behind ({self.sink.backlog_bytes} bytes of records "
                                 "not yet acknowledged); retry", type="server_error")
+        held = self.sessions.total_bytes()
+        if self.cfg.max_session_bytes and held > self.cfg.max_session_bytes:
+            # Every live execution's sessions together: refused before memory runs out, retried
+            # by the harness once executions end and their sessions are dropped.
+            self.num_refused_sessions += 1
+            raise ApiError(503, f"the proxy holds {held} bytes of sessions, over proxy.max_session_bytes "
+                                f"{self.cfg.max_session_bytes}; retry", type="server_error")
+        exe = self._executions.get(execution_id)
+        if exe is None:
+            exe = await self._open_execution(execution_id)
+        self._check_budget(execution_id, exe)
         call, spliced = self._plan_call(
             execution_id, agent, chat, call_id=call_id, lineage=lineage, agent_id=agent_id
         )
@@ -520,17 +536,25 @@ class ProxyServer:
         # _generate_tracked), so parallel calls of one execution cannot all pass the check at once.
         exe.num_sent += 1
         started_at = time.time()
-        result = await self._generate_tracked(exe, call)
+        try:
+            result = await self._generate_tracked(exe, call)
+        except BaseException:
+            self.sessions.discard_plan(execution_id, call.prompt_ids)  # its prompt ids held no more
+            raise
         finished_at = time.time()
 
         parsed = parse_output(self.tok, result.output_ids)
         message = make_reply(parsed, result.output_ids)
+        if self.revoked.is_sealed(execution_id):  # _record refuses it: remember nothing (its sessions are gone)
+            self.sessions.discard_plan(execution_id, call.prompt_ids)
+            session = None
+        else:
+            session = self.sessions.remember(
+                execution_id, call.agent, messages=chat.messages, tools=chat.tools, reply=message,
+                prompt_ids=call.prompt_ids, output_ids=result.output_ids, call_id=call.call_id,
+            )
         record, pushed = self._record(exe, call, result, started_at=started_at, finished_at=finished_at,
-                                      num_tool_calls=len(parsed.tool_calls))
-        self.sessions.remember(
-            execution_id, call.agent, messages=chat.messages, tools=chat.tools, reply=message,
-            prompt_ids=call.prompt_ids, output_ids=result.output_ids,
-        )
+                                      num_tool_calls=len(parsed.tool_calls), session=session)
         try:
             await asyncio.wait_for(asyncio.shield(pushed), self.cfg.record_ack_timeout_s)
         except asyncio.TimeoutError:
@@ -547,6 +571,44 @@ class ProxyServer:
             result.route.cell_id, result.weight_version,
         )
         return call, result, message
+
+    async def _open_execution(self, execution_id: str) -> _Execution:
+        """The entry of an execution this proxy has no calls of: a new one, or one that was live
+        before the proxy restarted. Either way its logged CallRecords are asked of the processor
+        first (``trajectory.session_replay``) and remembered again, so splicing, lineage, call
+        indices and budgets go on as if the proxy had never stopped. Calls that arrive meanwhile
+        wait for the same answer."""
+        opening = self._opening.get(execution_id)
+        if opening is None:
+            opening = self._opening[execution_id] = asyncio.ensure_future(self._restore(execution_id))
+            opening.add_done_callback(lambda _: self._opening.pop(execution_id, None))
+        return await asyncio.shield(opening)
+
+    async def _restore(self, execution_id: str) -> _Execution:
+        try:
+            replay = await asyncio.wait_for(asyncio.shield(self.sink.replay(execution_id)),
+                                            self.cfg.record_ack_timeout_s)
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            raise ApiError(503, f"execution {execution_id}'s earlier calls could not be read from the trajectory "
+                                f"processor ({exc or 'no answer'}); retry", type="server_error") from None
+        if replay.sealed:
+            self.revoked.revoke(execution_id, len(replay.records), None)
+            raise ApiError(401, f"execution {execution_id} is sealed; its token is revoked", code="invalid_api_key")
+        exe = self._executions.get(execution_id)
+        if exe is not None:  # a call made the entry while the answer came (cannot: every first call waits here)
+            return exe
+        exe = self._executions[execution_id] = _Execution(first_call_at=time.monotonic())
+        records = sorted(replay.records, key=lambda r: r.call_index)
+        restored = sum(self.sessions.restore(r) for r in records)
+        if records:
+            exe.num_calls = records[-1].call_index + 1
+            exe.num_sent = len(records)
+            exe.num_tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in records)
+            self.num_restored_executions += 1
+            self.num_restored_calls += restored
+            log.info("execution %s: %d earlier call(s) read back from the processor, %d remembered again",
+                     execution_id, len(records), restored)
+        return exe
 
     def _check_budget(self, execution_id: str, exe: _Execution) -> None:
         """Refuse a call its execution's budget (``proxy.execution_budget``) does not allow: 429 while
@@ -583,13 +645,14 @@ class ProxyServer:
         call = _Call(
             execution_id=execution_id, agent=plan.agent, call_id=call_id, prompt_ids=plan.prompt_ids,
             sampling_params=sampling, asked=(chat.temperature, chat.top_p), lineage=plan.lineage, agent_id=plan.agent_id,  # type: ignore[arg-type]
+            lineage_reason=plan.reason,
             capped_by_run=max_new == cap and (chat.max_tokens is None or cap < chat.max_tokens),
         )
         return call, plan.spliced
 
     def _record(
         self, exe: _Execution, call: _Call, result: EngineResult, *, started_at: float, finished_at: float,
-        num_tool_calls: int = 0,
+        num_tool_calls: int = 0, session: wire.SessionEntry | None = None,
     ) -> tuple[wire.CallRecord, asyncio.Future[None]]:
         """Queue the call's CallRecord. Synchronous, so no seal can slip between the check and the put:
         every record of an execution is queued before its ExecutionSealed."""
@@ -605,6 +668,7 @@ class ProxyServer:
             num_tool_calls=num_tool_calls, temperature=float(call.sampling_params["temperature"]),
             top_p=float(call.sampling_params["top_p"]), top_k=int(call.sampling_params["top_k"]),
             harness_temperature=float(call.asked[0]), harness_top_p=float(call.asked[1]),
+            lineage_reason=call.lineage_reason, session=session,
         )
         record.check()
         exe.num_calls += 1

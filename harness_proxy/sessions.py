@@ -72,10 +72,12 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller import wire
 from harness_proxy.template import (
     content_text, generation_prompt, render_appended, render_messages, tool_call_parts, turn_separator,
 )
@@ -103,7 +105,26 @@ SUMMARY_MARKERS = (
     "Your task is to create a detailed summary",  # Claude Code's compaction instruction
     "generate the <state_snapshot>",  # Qwen Code's chat compression instruction
 )
-"""Text in the last user message of a call that asks for a summary of its line's history."""
+"""Text in the last user message of a call that asks for a summary of its line's history: a hint, named
+as such in the call's ``lineage_reason``."""
+SYSTEM_VARIANT_SHARE = 0.5
+"""Two system prompts are one agent's when what they share at the start and the end is at least this
+share of the longer one: a timestamp, a directory listing or a memory index changed, not the agent."""
+REASONS = (
+    "header",  # the harness said who calls (Claude Code's agent id header, title shape)
+    "first",  # the execution's first call
+    "extends",  # the prompt extends a remembered call of the line
+    "branch",  # shares the line's first request, then differs (history edited, a retry)
+    "system-changed",  # the line's conversation under a variant of its system prompt
+    "over",  # a line's conversation under another agent's system prompt (memory extraction, loop check)
+    "rewrite",  # quotes a recent reply of the line (a compaction put back as history)
+    "handoff",  # its task is a string of a tool call still waiting for its result
+    "new-conversation",  # the system prompt of a line, a new task
+    "else",  # none of the above
+    "restored",  # a restarted proxy re-read it from the processor's log
+)
+"""Why a call got its lineage (``CallRecord.lineage_reason``); ``+summary-marker`` is appended when a
+summary marker (a hint) made it a ``-summary`` call."""
 
 
 def _canonical_arguments(args: Any) -> str:
@@ -172,6 +193,42 @@ def is_summary_request(messages: list[dict[str, Any]]) -> bool:
     return False
 
 
+def _wire_message(norm: NormMessage) -> wire.SessionMessage:
+    role, content, calls = norm
+    return wire.SessionMessage(role=_utf8(role), content=_utf8(content),
+                               tool_calls=[[_utf8(name), _utf8(args)] for name, args in calls])
+
+
+def _utf8(text: str) -> str:
+    """``text``, or, where JSON escapes gave it lone surrogates (UTF-8 cannot carry them), with those
+    replaced: such a message no longer matches after a restore, and the call after it is rendered
+    from scratch (a branch in the tree), never refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def _message(m: wire.SessionMessage) -> dict[str, Any]:
+    """A message that normalises back to ``m`` (its arguments are canonical JSON already)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"function": {"name": name, "arguments": args}} for name, args in m.tool_calls]
+    return out
+
+
+def _same_agent(system_a: str, system_b: str) -> bool:
+    """Two system prompts of one agent: what they share at the start and at the end is at least
+    ``SYSTEM_VARIANT_SHARE`` of the longer (a timestamp or a listing changed, not the instructions)."""
+    longest = max(len(system_a), len(system_b))
+    if longest == 0:
+        return True
+    head = len(os.path.commonprefix([system_a, system_b]))
+    tail = len(os.path.commonprefix([system_a[head:][::-1], system_b[head:][::-1]]))
+    return head + tail >= SYSTEM_VARIANT_SHARE * longest
+
+
 def _strings(value: Any, out: list[str]) -> list[str]:
     if isinstance(value, str):
         if len(value) >= HANDOFF_MIN_CHARS:
@@ -203,6 +260,8 @@ class _Line:
     """Recorded on the CallRecord ('' for main and side)."""
     task_len: int
     """Messages in the line's first request (its system prompt and task)."""
+    last_reply: NormMessage | None = None
+    """The newest reply on the line: its tool calls wait for their results (a hand-off's source)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -243,6 +302,7 @@ class _Remembered:
     """The messages of the path to ``node`` (``[:node.depth]``), shared along a tape like its ids:
     the hot path compares a request with them in one C-level pass."""
     line: _Line
+    call_id: str = ""
     forgotten: bool = False
     """Set once dropped for memory: a plan built on it no longer appends to its tape or trie path."""
 
@@ -279,6 +339,10 @@ class _Execution:
     """Lines by agent key."""
     num_sub_agents: int = 0
     num_side: int = 0
+    by_call: dict[str, _Remembered] = field(default_factory=dict)
+    """Remembered calls by call id (a restored call names its base by it)."""
+    plan_bytes: int = 0
+    """What the prompt plans waiting for ``remember`` hold (their prompt ids)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +358,8 @@ class PromptPlan:
     """The session and routing key of the call's line."""
     agent_id: str = ""
     """For the CallRecord: the harness's or the derived sub-agent id ('' for main and side)."""
+    reason: str = "first"
+    """Why the lineage (``REASONS``, maybe with ``+summary-marker``)."""
 
 
 class SessionStore:
@@ -339,22 +405,35 @@ class SessionStore:
         want_tools = next((t for t in exe.tools if t == (tools or [])), None)
         best, reached = self._walk(exe, messages, want_tools)
         if lineage is None:
-            line, lineage = self._derive(exe, messages, best, reached)
+            line, lineage, reason = self._derive(exe, messages, best, reached)
         else:
             line = self._given_line(exe, lineage, agent, agent_id, len(messages))
+            reason = "header+summary-marker" if lineage.endswith("-summary") else "header"
         if best is None:
             ids = self._shared(render_messages(self.tok, messages, tools=tools))
-            plan = PromptPlan(ids, False, len(messages), lineage, line.agent, line.agent_id)
+            plan = PromptPlan(ids, False, len(messages), lineage, line.agent, line.agent_id, reason)
         else:
             new = messages[best.node.depth :]
             ids = best.tape[: best.length]
             ids += self._shared(render_appended(self.tok, new))
             ids += self._generation_prompt
-            plan = PromptPlan(ids, True, len(new), lineage, line.agent, line.agent_id)
+            plan = PromptPlan(ids, True, len(new), lineage, line.agent, line.agent_id, reason)
         exe.plans[id(ids)] = _Plan(ids, len(ids), messages, best, line, want_tools)
+        exe.plan_bytes += 8 * len(ids)
         while len(exe.plans) > PLANS_PER_EXECUTION:
-            exe.plans.popitem(last=False)
+            exe.plan_bytes -= 8 * exe.plans.popitem(last=False)[1].num_prompt
         return plan
+
+    def discard_plan(self, execution_id: str, prompt_ids: list[int]) -> None:
+        """Forget the plan of a call that failed (``remember`` will not come for it)."""
+        exe = self._executions.get(execution_id)
+        if exe is not None:
+            plan = exe.plans.get(id(prompt_ids))
+            if plan is not None and plan.prompt_ids is prompt_ids:
+                del exe.plans[id(prompt_ids)]
+                exe.plan_bytes -= 8 * plan.num_prompt
+            if not exe.calls and not exe.plans:
+                del self._executions[execution_id]
 
     def _walk(
         self, exe: _Execution, messages: list[dict[str, Any]], tools: list[Any] | None
@@ -417,58 +496,83 @@ class SessionStore:
 
     def _derive(
         self, exe: _Execution, messages: list[dict[str, Any]], best: _Remembered | None, reached: _Node
-    ) -> tuple[_Line, str]:
-        """The call's line and lineage by the rules of the module docstring."""
-        line = self._line_of(exe, messages, best, reached)
-        summary = line.lineage != "side" and is_summary_request(messages)
-        return line, f"{line.lineage}-summary" if summary else line.lineage
+    ) -> tuple[_Line, str, str]:
+        """The call's line, lineage and the reason for it, by the rules of the module docstring."""
+        line, reason = self._line_of(exe, messages, best, reached)
+        if line.lineage != "side" and is_summary_request(messages):
+            return line, f"{line.lineage}-summary", f"{reason}+summary-marker"
+        return line, line.lineage, reason
 
     def _line_of(
         self, exe: _Execution, messages: list[dict[str, Any]], best: _Remembered | None, reached: _Node
-    ) -> _Line:
+    ) -> tuple[_Line, str]:
         if best is not None:  # 2. extends
-            return best.line
+            return best.line, "extends"
         if not exe.lines:  # 1. first
-            return self._new_line(exe, "main", len(messages))
+            return self._new_line(exe, "main", len(messages)), "first"
         if reached.line is not None and reached.depth >= reached.line.task_len:  # 3. branch
-            return reached.line
+            return reached.line, "branch"
         system = messages[0] if messages and _role(messages[0]) == "system" else None
         own = reached if reached.depth >= 1 else None  # the node of its system prompt, if known
         own_root = own
         while own_root is not None and own_root.depth > 1:
             own_root = own_root.parent
-        if system is not None:  # 4. over another line's history
-            for top in exe.root.children:
-                if top is own_root or top.norm[0] != "system":
-                    continue
-                node = top
-                for m in messages[1:]:
-                    nxt = node.child(m)
-                    if nxt is None:
-                        break
-                    node = nxt
-                if node.depth >= 2 and node.line is not None and node.depth >= node.line.task_len:
-                    if node.line.lineage != "side" and is_summary_request(messages):
-                        return node.line
-                    return self._new_line(exe, "side", len(messages))
+        if system is not None:  # 4. a line's conversation under another system prompt
+            over = self._over(exe, messages, own_root)
+            if over is not None:
+                top, line = over
+                if line.lineage != "side" and _same_agent(top.norm[1], _content(system)):
+                    return line, "system-changed"
+                if line.lineage != "side" and is_summary_request(messages):
+                    return line, "over"
+                return self._new_line(exe, "side", len(messages)), "over"
         texts = [_content(m) for m in messages[1:] if _role(m) in ("user", "system")]
         for norm, line in reversed(exe.replies):  # 5. rewrite
             reply = norm[1]
             if line.lineage != "side" and len(reply) >= QUOTE_MIN_CHARS and any(reply in t for t in texts):
-                return line
+                return line, "rewrite"
         user_texts = [_content(m) for m in messages if _role(m) == "user"]
-        for norm, _line in reversed(exe.replies):  # 6. hand-off
-            for _name, args in norm[2]:
+        for line in reversed(exe.lines.values()):  # 6. hand-off: a tool call still waiting for its result
+            if line.lineage == "side" or line.last_reply is None:
+                continue
+            for _name, args in line.last_reply[2]:
                 try:
                     handed = _strings(json.loads(args), [])
                 except ValueError:
                     handed = [args] if len(args) >= HANDOFF_MIN_CHARS else []
                 if any(s in t for s in handed for t in user_texts):
-                    return self._new_line(exe, "sub-agent", len(messages))
-        if own_root is not None and own_root.norm[0] == "system" and own_root.line is not None \
-                and own_root.line.lineage != "side":  # 7. same system prompt, a new task
-            return self._new_line(exe, "sub-agent", len(messages))
-        return self._new_line(exe, "side", len(messages))  # 8. else
+                    return self._new_line(exe, "sub-agent", len(messages)), "handoff"
+        if system is not None and self._agent_system(exe, _content(system), own_root):  # 7. a new task
+            return self._new_line(exe, "sub-agent", len(messages)), "new-conversation"
+        return self._new_line(exe, "side", len(messages)), "else"  # 8. else
+
+    @staticmethod
+    def _over(exe: _Execution, messages: list[dict[str, Any]], own_root: _Node | None) -> tuple[_Node, _Line] | None:
+        """The deepest known line whose conversation (at least its first request, after the system
+        prompt) the request repeats under another system prompt: (that system prompt's node, the line)."""
+        found: tuple[int, _Node, _Line] | None = None
+        for top in exe.root.children:
+            if top is own_root or top.norm[0] != "system":
+                continue
+            node = top
+            for m in messages[1:]:
+                nxt = node.child(m)
+                if nxt is None:
+                    break
+                node = nxt
+            line = node.line
+            if node.depth >= 2 and line is not None and node.depth >= line.task_len:
+                if found is None or node.depth > found[0] or (found[2].lineage == "side" and line.lineage != "side"):
+                    found = (node.depth, top, line)
+        return None if found is None else (found[1], found[2])
+
+    @staticmethod
+    def _agent_system(exe: _Execution, system: str, own_root: _Node | None) -> bool:
+        """The system prompt is (a variant of) one a non-side line runs under."""
+        if own_root is not None and own_root.norm[0] == "system":
+            return own_root.line is not None and own_root.line.lineage != "side"
+        return any(top.norm[0] == "system" and top.line is not None and top.line.lineage != "side"
+                   and _same_agent(top.norm[1], system) for top in exe.root.children)
 
     # ------------------------------------------------------------ remembering a call
 
@@ -482,23 +586,67 @@ class SessionStore:
         reply: dict[str, Any],
         prompt_ids: list[int],
         output_ids: list[int],
-    ) -> None:
+        call_id: str = "",
+    ) -> wire.SessionEntry:
         """Record a successful call; ``reply`` is the assistant message returned to the harness.
-        ``agent`` is unused (the plan carries the line); kept for callers' symmetry."""
+        ``agent`` is unused (the plan carries the line); kept for callers' symmetry. Returns what
+        was remembered, for the call's CallRecord (``restore`` remembers it again from there)."""
         exe = self._execution(execution_id)
         plan = self._take_plan(exe, prompt_ids, messages)
         if plan is None:  # a prompt not planned here: decide its line now, keep its ids on a tape of its own
             tools_obj = next((t for t in exe.tools if t == (tools or [])), None)
             best, reached = self._walk(exe, messages, tools_obj)
-            line, _ = self._derive(exe, messages, best, reached)
+            line, _, _ = self._derive(exe, messages, best, reached)
             base = None
+            prompt_ids = self._shared(prompt_ids)
         else:
             base, line, tools_obj = plan.base, plan.line, plan.tools
             if base is not None and base.forgotten:
                 base = None
+        new = messages[base.node.depth :] if base is not None else messages
+        return self._store(exe, base, line, tools_obj, tools, new, reply, prompt_ids, output_ids, call_id)
+
+    def restore(self, record: wire.CallRecord) -> bool:
+        """Remember a call again from its CallRecord, as ``remember`` did when it was made: a restarted
+        proxy rebuilds an execution's sessions from the processor's log, call after call, so
+        splicing and lineage go on exactly. False (and nothing remembered) for a record that carries
+        no session entry or names a base this store does not hold."""
+        entry = record.session
+        if entry is None:
+            return False
+        exe = self._execution(record.execution_id)
+        base = exe.by_call.get(entry.base_call_id) if entry.base_call_id else None
+        if entry.base_call_id and (base is None or base.length != entry.base_length
+                                   or record.prompt_ids[: base.length] != base.tape[: base.length]):
+            return False
+        line = exe.lines.get(entry.line)
+        if line is None or line.lineage != entry.line_lineage:
+            line = exe.lines[entry.line] = _Line(entry.line_lineage, entry.line, record.agent_id, entry.line_task_len)
+            kind, _, n = entry.line.partition("-")
+            if n.isdigit() and kind == "sub":
+                exe.num_sub_agents = max(exe.num_sub_agents, int(n))
+            elif n.isdigit() and kind == "side":
+                exe.num_side = max(exe.num_side, int(n))
+        if entry.tools_json is None and base is not None:
+            tools, tools_obj = base.tools, base.tools
+        else:
+            tools = json.loads(entry.tools_json) if entry.tools_json else []
+            tools_obj = next((t for t in exe.tools if t == tools), None)
+        new = [_message(m) for m in entry.new_messages]
+        self._store(exe, base, line, tools_obj, tools, new, _message(entry.reply), self._shared(record.prompt_ids),
+                    record.output_ids, record.call_id)
+        return True
+
+    def _store(
+        self, exe: _Execution, base: _Remembered | None, line: _Line, tools_obj: list[Any] | None,
+        tools: list[Any] | None, new: list[dict[str, Any]], reply: dict[str, Any], prompt_ids: list[int],
+        output_ids: list[int], call_id: str,
+    ) -> wire.SessionEntry:
+        """Remember one call: ``new`` are its request's messages after ``base``'s (all without one);
+        ``prompt_ids`` a list the store may keep (its table's ints)."""
         node = base.node if base is not None else exe.root
         added = []
-        for m in messages[node.depth :]:
+        for m in new:
             node = self._child(exe, node, m, line)
             added.append(node)
         node = self._child(exe, node, reply, line)
@@ -513,7 +661,7 @@ class SessionStore:
             tape += prompt_ids[base.length :]
             exe.tips.pop(id(tape), None)
         else:  # a first call, a branch, or a prompt not planned here: a tape of its own
-            tape = prompt_ids.copy() if plan is not None else self._shared(prompt_ids)
+            tape = prompt_ids.copy()
             grown = len(tape) + len(tail)
             path = []  # the messages before the added ones: the trie path above them
             up = added[0].parent
@@ -533,13 +681,25 @@ class SessionStore:
         if tools_obj is None:
             tools_obj = list(tools or [])
             exe.tools.append(tools_obj)
-        entry = _Remembered(node=node, tools=tools_obj, tape=tape, length=len(tape), norms=norms, raws=raws, line=line)
+        entry = _Remembered(node=node, tools=tools_obj, tape=tape, length=len(tape), norms=norms, raws=raws,
+                            line=line, call_id=call_id)
         exe.tips[id(tape)] = entry
         node.calls.append(entry)
         exe.calls.append(entry)
+        if call_id:
+            exe.by_call[call_id] = entry
         exe.replies.append((node.norm, line))
+        line.last_reply = node.norm
         while exe.bytes > self.memory_bytes and len(exe.calls) > 1:
             self._forget(exe, exe.calls.popleft())
+        named = base is not None and bool(base.call_id)  # a restore can find it by its id
+        return wire.SessionEntry(
+            base_call_id=base.call_id if named else "", base_length=base.length if named else 0,  # type: ignore[union-attr]
+            new_messages=[_wire_message(n) for n in norms[base.node.depth if named else 0 : node.depth - 1]],  # type: ignore[union-attr]
+            reply=_wire_message(node.norm),
+            tools_json=None if named and base.tools is tools_obj else tools_key(tools_obj),  # type: ignore[union-attr]
+            line=line.agent, line_lineage=line.lineage, line_task_len=line.task_len,  # type: ignore[arg-type]
+        )
 
     def _child(self, exe: _Execution, node: _Node, m: dict[str, Any], line: _Line) -> _Node:
         found = node.child(m)
@@ -556,6 +716,8 @@ class SessionStore:
         """Drop one remembered call, and what only it held."""
         call.forgotten = True
         call.node.calls.remove(call)
+        if exe.by_call.get(call.call_id) is call:
+            del exe.by_call[call.call_id]
         refs = exe.tape_refs[id(call.tape)] - 1
         if refs:
             exe.tape_refs[id(call.tape)] = refs
@@ -572,6 +734,8 @@ class SessionStore:
 
     def _take_plan(self, exe: _Execution, prompt_ids: list[int], messages: list[dict[str, Any]]) -> _Plan | None:
         plan = exe.plans.pop(id(prompt_ids), None)
+        if plan is not None:
+            exe.plan_bytes -= 8 * plan.num_prompt
         if plan is None or plan.prompt_ids is not prompt_ids:
             return None
         # Trust the plan only if nothing changed the prompt or the messages since.
@@ -582,6 +746,10 @@ class SessionStore:
 
     def num_executions(self) -> int:
         return sum(1 for exe in self._executions.values() if exe.calls)
+
+    def total_bytes(self) -> int:
+        """What all executions' remembered calls and waiting prompt plans hold (``proxy.max_session_bytes``)."""
+        return sum(exe.bytes + exe.plan_bytes for exe in self._executions.values())
 
     def held_bytes(self, execution_id: str) -> int:
         """What the execution's remembered calls hold, as counted against ``memory_bytes``."""

@@ -20,6 +20,10 @@ from controller import curve
 from controller.wire import CallRecord, ExecutionSealed, RecordsAck, encode, record_key
 
 
+REPLAY_SNDHWM = 100_000
+"""Frames queued to one proxy before more are dropped (it counts them against ``SessionReplayEnd``)."""
+
+
 class RecordInbox:
     def __init__(self, ctx: zmq.Context, addr: str, *, only: str | None = "proxy",
                  on_refused: Callable[[str], None] | None = None) -> None:
@@ -27,6 +31,7 @@ class RecordInbox:
         self.on_refused = on_refused or (lambda why: None)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, REPLAY_SNDHWM)  # a session replay is one frame per call
         curve.server(self.sock)  # only the run's members get in
         self.sock.bind(addr)
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -63,6 +68,15 @@ class RecordInbox:
                 self.sock.send_multipart(parts, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # the sender is gone or full: it resends, and the duplicate is acked then
+
+    def send(self, frames: Sequence[list[bytes]]) -> None:
+        """``[sender identity, frame]`` pairs back to their senders (session replays); a sender that is
+        gone or full loses them, and asks again."""
+        for parts in frames:
+            try:
+                self.sock.send_multipart(parts, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def close(self) -> None:
         self.sock.close()

@@ -76,6 +76,8 @@ class AppendLog:
         self.fsync = fsync
         self.num_entries = 0
         self.num_truncated_bytes = 0
+        self.last_offset = 0
+        """Where the entry ``replay`` yielded last starts (``read_at`` reads it again)."""
         self._file: BinaryIO | None = None
 
     def scan(self) -> Iterator[bytes]:
@@ -91,6 +93,7 @@ class AppendLog:
         good_end = 0
         for payload, good_end in self._entries():
             self.num_entries += 1
+            self.last_offset = good_end - _HEADER.size - len(payload)
             yield payload
         size = self.path.stat().st_size if self.path.exists() else 0
         if good_end < size:
@@ -115,16 +118,19 @@ class AppendLog:
     def append(self, payload: bytes) -> None:
         self.append_many((payload,))
 
-    def append_many(self, payloads: Iterable[bytes]) -> None:
-        """Write the entries, flush, and fsync once (when configured); durable on return."""
+    def append_many(self, payloads: Iterable[bytes]) -> list[int]:
+        """Write the entries, flush, and fsync once (when configured); durable on return. Returns
+        where each entry starts (``read_at``)."""
         if self._file is None:
             for _ in self.replay():
                 pass
         assert self._file is not None
         wrote = False
+        offsets = []
         for payload in payloads:
             if len(payload) > MAX_ENTRY_BYTES:
                 raise ValueError(f"log entry: {len(payload)} bytes is over {MAX_ENTRY_BYTES}")
+            offsets.append(self._file.tell())
             self._file.write(_HEADER.pack(len(payload), zlib.crc32(payload)))
             self._file.write(payload)
             self.num_entries += 1
@@ -133,6 +139,20 @@ class AppendLog:
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
+        return offsets
+
+    def read_at(self, offsets: Iterable[int]) -> list[bytes]:
+        """The payloads of the entries starting at ``offsets`` (from ``append_many`` or
+        ``last_offset``), read back in that order; ValueError for one that is not a good entry."""
+        out = []
+        with open(self.path, "rb") as f:
+            for offset in offsets:
+                f.seek(offset)
+                payload = _read_entry(f)
+                if payload is None:
+                    raise ValueError(f"log {self.path}: no good entry at byte {offset}")
+                out.append(payload)
+        return out
 
     def close(self) -> None:
         if self._file is not None:

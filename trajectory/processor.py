@@ -10,7 +10,8 @@ Three layers, each testable alone:
   marker for a group (or a run-released execution) once the controller has taken all of its
   messages, so a restart sends again exactly what may not have arrived.
 - ``serve`` — the ZMQ loop: a ``RecordInbox`` (ROUTER) bound for records (from the proxy, each
-  acknowledged once logged), DEALER connected to the controller (``Hello``, then ``Grade`` and
+  acknowledged once logged; a restarted proxy's ``SessionReplayRequest`` is answered there with the
+  execution's logged records, ``trajectory.session_replay``), DEALER connected to the controller (``Hello``, then ``Grade`` and
   ``Delivered`` in, ``ShardReady`` / ``GroupDone`` / ``ErrorReply`` out).
 
 Grading rules. An execution is *usable* when its outcome is ``finished`` or ``timed_out`` and its
@@ -58,6 +59,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
+import msgpack
 import zmq
 
 from controller import curve
@@ -70,9 +72,11 @@ from controller.wire import (
     Grade,
     GroupDone,
     Hello,
+    PROTOCOL_VERSION,
     Message,
     ProtocolError,
     ServiceHeartbeat,
+    SessionReplayRequest,
     Shard,
     ShardReady,
     Shutdown,
@@ -86,12 +90,15 @@ from trajectory.inbox import RecordInbox
 from trajectory.log import AppendLog, Marker, decode_marker, encode_marker
 from trajectory.run_release import EXECUTION_SENT_MARKER, released_execution, run_released_shards
 from trajectory.samples import build_sequences, pack_shards
+from trajectory.session_replay import SessionIndex, split_requests
 from trajectory.sampling import select
 from trajectory.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
 USABLE_OUTCOMES = ("finished", "timed_out")
+_REPLAY_REQUEST_HEAD = msgpack.packb([PROTOCOL_VERSION, SessionReplayRequest.TAG, {}])[:-1]
+"""How a replay request's frame starts ([version, tag, ...), so record frames are not decoded twice."""
 DROPPED_TOO_FEW_USABLE = "too_few_usable"
 GROUP_DONE_MARKER = "group_done"
 _MARKER_FIELDS = {GROUP_DONE_MARKER: "group_id", EXECUTION_SENT_MARKER: "execution_id"}
@@ -502,6 +509,11 @@ class Processor:
         facts, self._facts = self._facts, []
         return facts
 
+    def is_sealed(self, execution_id: str) -> bool:
+        """The proxy sealed the execution (or it is done with): its token must stay refused."""
+        return execution_id in self._done_executions or (
+            execution_id in self._executions and self._executions[execution_id].sealed is not None)
+
     def _is_sealed(self, execution_id: str) -> bool:
         """Sealed, or (run release) already done with: forgotten only once graded and sealed."""
         return execution_id in self._done_executions or self._executions[execution_id].sealed is not None
@@ -533,6 +545,7 @@ class ProcessorService:
         # still waited for, and when it was last sent (for a resend).
         self.owed: dict[tuple[str, str], _Owed] = {}
         self._owed_by_id: dict[str, tuple[str, str]] = {}
+        self.sessions = SessionIndex(log_)
 
     @property
     def counters(self) -> Counters:
@@ -560,6 +573,7 @@ class ProcessorService:
             except ValueError as exc:  # ProtocolError is a ValueError
                 self.reject("log", str(exc))
                 continue
+            self.sessions.logged(msg, self.log.last_offset)
             _collect_by_group(self.processor.on_message(msg), owed)
         messages = [m for outs in owed.values() for m in outs]
         self.processor.take_facts()  # reported by the attempt that first saw them
@@ -610,6 +624,24 @@ class ProcessorService:
                 self.reject("records", str(exc))
         out = self._persist_and_process([(frame, msg) for _, frame, msg in accepted])
         return out, [(ident, msg) for ident, _, msg in accepted]  # type: ignore[misc]
+
+    def session_replays(self, batch: Sequence[tuple[bytes, bytes]]) -> tuple[
+            list[tuple[bytes, bytes]], list[list[bytes]]]:
+        """Take the replay requests out of a records-socket batch: the rest (for ``take_records``), and
+        ``[sender, frame]`` pairs answering the requests. Answer them after ``take_records`` of the
+        same batch, so a record logged just before a request is in its answer."""
+        def request(frame: bytes) -> SessionReplayRequest | None:
+            if not frame.startswith(_REPLAY_REQUEST_HEAD):
+                return None
+            try:
+                return decode(frame, expect=(SessionReplayRequest,))  # type: ignore[return-value]
+            except ProtocolError as exc:
+                self.reject("records", str(exc))
+                return None
+        rest, requests = split_requests(batch, request)
+        answers = [[ident, frame] for ident, req in requests
+                   for frame in self.sessions.answer(req, self.processor.is_sealed)]
+        return rest, answers
 
     def on_control_frames(self, frames: Sequence[bytes]) -> list[Message]:
         """Frames from the controller (Grade, Shutdown); a bad one gets an ErrorReply."""
@@ -686,9 +718,10 @@ class ProcessorService:
         log.warning("rejected a frame on %s: %s", where, text)
 
     def _persist_and_process(self, accepted: list[tuple[bytes, Message]]) -> list[Message]:
-        self.log.append_many(frame for frame, _ in accepted)
+        offsets = self.log.append_many(frame for frame, _ in accepted)
         out: list[Message] = []
-        for _, msg in accepted:
+        for (_, msg), offset in zip(accepted, offsets):
+            self.sessions.logged(msg, offset)
             out.extend(self.processor.on_message(msg))
         return out
 
@@ -783,8 +816,10 @@ def serve(
                 next_beat = now + heartbeat_s
             events = dict(poller.poll(poll_ms))
             if inbox.sock in events:
-                out, logged = service.take_records(inbox.drain(_DRAIN_LIMIT))
+                batch, replays = service.session_replays(inbox.drain(_DRAIN_LIMIT))
+                out, logged = service.take_records(batch)
                 inbox.ack(logged)  # after take_records: the batch is in the log
+                inbox.send(replays)
                 _send(dealer, service, out)
             if dealer in events:
                 _send(dealer, service, service.on_control_frames(_drain(dealer, service, "control")))

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -32,6 +34,8 @@ from harness_proxy.server import ProxyServer
 from harness_proxy.tokenizer import get_tokenizer
 from trajectory.config import RolloutSampling
 from trajectory.inbox import RecordInbox
+from trajectory.log import AppendLog
+from trajectory.session_replay import SessionIndex, split_requests
 
 SECRET = b"test-secret-0123456789abcdef"
 TOK = get_tokenizer("qwen_compact", 4096)
@@ -40,7 +44,7 @@ PROXY_CONFIG = {
     "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536, "read_timeout_s": 30.0,
     "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
     "retry_attempts": 3, "route_wait_s": 0.3, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
-    "max_unacked_record_bytes": 1 << 30,
+    "max_unacked_record_bytes": 1 << 30, "session_memory_bytes": 64 << 20, "max_session_bytes": 8 << 30,
     "execution_budget": {"max_calls": 2000, "max_tokens": 50_000_000, "max_wall_s": 14400.0, "max_concurrent_calls": 8},
 }
 
@@ -180,9 +184,11 @@ class ScriptedEngine:
 
 
 class AckingInbox:
-    """The processor's real ``RecordInbox`` on a thread that acknowledges each record as it comes in
-    and queues it for ``recv``. Clear ``acking`` to play a processor that is down: what arrives
-    meanwhile is dropped unacknowledged, as a dead process would drop it."""
+    """The processor's real ``RecordInbox`` on a thread that logs each record as it comes in (the
+    processor's real ``AppendLog``), acknowledges it and queues it for ``recv``, and answers a
+    proxy's session replay from that log with the processor's own ``SessionIndex``. Clear ``acking``
+    to play a processor that is down: what arrives meanwhile is dropped unacknowledged, as a dead
+    process would drop it."""
 
     def __init__(self, ctx: zmq.Context):
         self.inbox = RecordInbox(ctx, "tcp://127.0.0.1:0", only=None)
@@ -191,6 +197,10 @@ class AckingInbox:
         self.acking = threading.Event()
         self.acking.set()
         self.num_dropped = 0
+        self._dir = tempfile.TemporaryDirectory(prefix="gyre-acking-inbox-")
+        self.log = AppendLog(Path(self._dir.name) / "records.log", fsync=False)
+        self.sessions = SessionIndex(self.log)
+        self.sealed: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._take_records, daemon=True)
         self._thread.start()
@@ -203,8 +213,15 @@ class AckingInbox:
             if not self.acking.is_set():
                 self.num_dropped += len(batch)
                 continue
+            batch, requests = split_requests(batch, _replay_request)
             msgs = [(ident, wire.decode(frame)) for ident, frame in batch]
+            for (_, msg), offset in zip(msgs, self.log.append_many(frame for _, frame in batch)):
+                self.sessions.logged(msg, offset)
+                if isinstance(msg, wire.ExecutionSealed):
+                    self.sealed.add(msg.execution_id)
             self.inbox.ack(msgs)  # type: ignore[arg-type]
+            self.inbox.send([[ident, frame] for ident, req in requests
+                             for frame in self.sessions.answer(req, self.sealed.__contains__)])
             for _, msg in msgs:
                 self.records.put(msg)
 
@@ -226,6 +243,16 @@ class AckingInbox:
         self._stop.set()
         self._thread.join()
         self.inbox.close()
+        self.log.close()
+        self._dir.cleanup()
+
+
+def _replay_request(frame: bytes) -> wire.SessionReplayRequest | None:
+    try:
+        msg = wire.decode(frame, expect=(wire.SessionReplayRequest,))
+    except wire.ProtocolError:
+        return None
+    return msg  # type: ignore[return-value]
 
 
 

@@ -36,9 +36,17 @@ def call_in_thread(proxy: LiveProxy, execution_id: str) -> tuple[threading.Threa
     return t, out
 
 
+def open_execution(proxy: LiveProxy, execution_id: str) -> None:
+    """One call while the processor is up: the proxy has read the execution's (empty) log, so a
+    later call's only wait is for its own record."""
+    proxy.client(execution_id).chat.completions.create(model="m", messages=[{"role": "user", "content": "first"}])
+    assert isinstance(proxy.recv(), wire.CallRecord)
+
+
 def test_a_call_is_answered_only_once_its_record_is_in_the_log_and_survives_a_dead_processor():
     proxy = LiveProxy(record_resend_s=0.3)
     try:
+        open_execution(proxy, "ex-1")
         proxy.inbox.acking.clear()  # the processor is down: what reaches it is lost
         t, out = call_in_thread(proxy, "ex-1")
         t.join(1.5)
@@ -60,6 +68,7 @@ def test_a_call_is_answered_only_once_its_record_is_in_the_log_and_survives_a_de
 def test_a_processor_that_stays_down_gets_retriable_errors_then_refusals_not_unbounded_memory():
     proxy = LiveProxy(record_resend_s=0.3, record_ack_timeout_s=1.0, max_unacked_record_bytes=1)
     try:
+        open_execution(proxy, "ex-1")
         proxy.inbox.acking.clear()
         with pytest.raises(openai.InternalServerError) as first:
             proxy.client("ex-1").chat.completions.create(model="m", messages=HI)

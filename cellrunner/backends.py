@@ -110,14 +110,23 @@ def serving_dtype(cfg: CellRunnerConfig) -> WeightsDtype:
     return "bfloat16" if isinstance(engine, SGLangConfig) and engine.dtype == "bfloat16" else "float32"
 
 
-def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context, *, serving: bool = False) -> WeightPublisher:
+def whole_model_dtypes(cfg: CellRunnerConfig, *, trainers_pull: bool) -> tuple[WeightsDtype, ...]:
+    """What the core's whole-model publisher is asked for: the engines' serving dtype, and float32
+    where satellites' trainers start from the whole model (single-rank cells; a multi-rank
+    satellite pulls each rank's own shard instead, ``cellrunner.rank_weights``)."""
+    return tuple(dict.fromkeys((*(("float32",) if trainers_pull else ()), serving_dtype(cfg))))
+
+
+def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context, *, serving: bool = False,
+                          trainers_pull: bool = True) -> WeightPublisher:
     """``serving``: the core's publisher of whole versions, which serving engines pull too (a
-    Mooncake publisher then also keeps the bf16 copy); not a rank's own-shard publisher."""
+    Mooncake publisher then keeps the slots ``whole_model_dtypes`` names); not a rank's own-shard
+    publisher, which trainers pull in float32."""
     if cfg.transfer == "mooncake":
         m = cfg.mooncake
+        dtypes = whole_model_dtypes(cfg, trainers_pull=trainers_pull) if serving else ("float32",)
         return MooncakeWeightPublisher(ctx, f"tcp://{cfg.host}:0", host=cfg.host, protocol=m.protocol,
-                                       device_name=m.device_name, memory=m.memory,
-                                       serve_bf16=serving and serving_dtype(cfg) == "bfloat16")
+                                       device_name=m.device_name, memory=m.memory, dtypes=dtypes)
     return WeightServer(ctx, f"tcp://{cfg.host}:0")
 
 

@@ -186,7 +186,9 @@ class CellRunner:
             else:
                 self.trainer.start(None)  # version 0 from the init seed; lives for the whole run
             initial = self.trainer.weights()  # assembled once (a collective on a multi-rank core)
-            self.weight_server = make_weight_publisher(self.cfg, self.ctx, serving=True)
+            # Multi-rank satellites train from each rank's own shard: no float32 whole-model slots.
+            self.weight_server = make_weight_publisher(self.cfg, self.ctx, serving=True,
+                                                       trainers_pull=not self.ranks.is_multi_rank)
             self.weight_server.publish(initial)
             self.weight_server.start()
             self.core_weights_addr = self.weight_server.addr

@@ -20,15 +20,24 @@ write could have touched, and the core never waits for a slow reader.
 Mooncake runs in P2PHANDSHAKE mode: no metadata server; a peer is named ``host:rpc_port``.
 The API calls used are the ones verified on this stack (``shared/notes/cpu-stack.md`` §5).
 
-Memory (``cluster.mooncake.memory``): ``cpu`` registers numpy buffers; ``cuda`` registers torch
-tensors on the process's current CUDA device (the CUDA build of Mooncake finds the device from
-the address, and with ``protocol=rdma`` reads go GPU to GPU by GPUDirect RDMA). A pull then
+Memory. The core's slots are host memory, page-locked (``cudaHostRegister``) where the process
+sees a CUDA device, plain pages otherwise: never GPU memory. Two slots of the whole model in GPU 0
+cost the core 12 bytes a parameter (two float32 and two bf16) beside its training state; the
+trainer hands over host weights anyway (the HF export is assembled on the host), and the NIC reads
+page-locked host memory as directly as GPU memory. The core keeps a dtype's slots only where some
+puller asks for it: bf16 for engines serving in bf16, float32 for trainers that start from the
+whole model (single-rank cells; multi-rank satellites pull each rank's own shard instead).
+``cluster.mooncake.memory`` is where a *puller* receives: ``cpu`` a numpy buffer, ``cuda`` a torch
+tensor on the process's current CUDA device (the CUDA build of Mooncake finds the device from the
+address, and with ``protocol=rdma`` the NIC writes into GPU memory by GPUDirect RDMA). A pull then
 returns FlatWeights whose ``data`` is that CUDA tensor; ``FlatWeights.tensor()`` reads either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -51,7 +60,8 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = (
     "transfer=mooncake needs the Mooncake Transfer Engine: on CPU hosts "
     "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` plus "
-    "`apt-get install -y libibverbs1 ibverbs-providers`; on CUDA hosts `pip install mooncake-transfer-engine`"
+    "`apt-get install -y libibverbs1 ibverbs-providers`; on CUDA 13 hosts `make gpu-env` "
+    "(mooncake-transfer-engine-cuda13, scripts/gpu_requirements.py)"
 )
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 """One pull is cut into reads of this size, all submitted at once (``python -m bench.transfer``
@@ -86,6 +96,10 @@ def decode_control(frame: bytes, *, expect: tuple[type[Message], ...]) -> Messag
 
 def transfer_engine_class() -> Any:
     """``mooncake.engine.TransferEngine``, or MooncakeUnavailable saying what to install."""
+    with contextlib.suppress(ImportError):
+        # torch first: it loads its CUDA runtime (libcudart.so.13), which the CUDA build's engine.so
+        # links and would not find on the loader's path alone.
+        import torch  # noqa: F401
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # also a missing libibverbs.so.1, which surfaces as ImportError
@@ -127,41 +141,94 @@ def cuda_zeros(num_elements: int, dtype: WeightsDtype = "float32") -> Any:
     return torch.zeros(num_elements, dtype=getattr(torch, dtype), device=torch.device("cuda", torch.cuda.current_device()))
 
 
-class RegisteredBuffer:
-    """``num_elements`` float32 (or bfloat16) values registered with one engine until ``release``: a
-    numpy array in host memory (bfloat16 as raw uint16 bits), or a torch tensor on the current CUDA
-    device (``memory="cuda"``)."""
+def pin_host(addr: int, nbytes: int) -> bool:
+    """Page-lock host memory for CUDA (``cudaHostRegister``) where this process sees a device: copies
+    from the GPU then run at full speed. False where there is no device or the driver refuses (the
+    memory still works, pageable)."""
+    import torch
 
-    def __init__(self, engine: Any, num_elements: int, memory: MooncakeMemory = "cpu", dtype: WeightsDtype = "float32"):
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0)
+    if int(rc) != 0:
+        log.warning("mooncake: cudaHostRegister of %d bytes failed (%s); the slot stays pageable", nbytes, rc)
+        return False
+    return True
+
+
+class RegisteredBuffer:
+    """``num_elements`` float32 (or bfloat16) values registered with one engine until ``release``:
+    host memory held as numpy (bfloat16 as raw uint16 bits), page-locked with ``pin=True`` where a
+    CUDA device is seen; or a torch tensor on the current CUDA device (``memory="cuda"``)."""
+
+    def __init__(self, engine: Any, num_elements: int, memory: MooncakeMemory = "cpu", dtype: WeightsDtype = "float32",
+                 *, pin: bool = False):
         self.num_elements = num_elements
         self.dtype: WeightsDtype = dtype
         self.nbytes = num_elements * WEIGHT_ITEMSIZE[dtype]
+        self.pinned = False
         self.data: Any
         if memory == "cuda":
             self.data = cuda_zeros(num_elements, dtype)  # zeroed on the device: its pages are mapped now
             self.addr = int(self.data.data_ptr())
         else:
-            self.data = np.empty(num_elements, dtype=WEIGHT_NUMPY_DTYPE[dtype])
+            # An anonymous mapping: page-aligned and exactly this size (cudaHostRegister pins whole
+            # pages; torch's pinned allocator would round a 240 GB slot up to 256).
+            self._map = mmap.mmap(-1, max(self.nbytes, 1))
+            self.data = np.frombuffer(self._map, dtype=WEIGHT_NUMPY_DTYPE[dtype], count=num_elements)
             # Touch every page now: first-touch faults would otherwise land inside the first transfer.
-            self.data.fill(0.0)
+            self.data.fill(0)
             self.addr = int(self.data.ctypes.data)
+            self.pinned = pin and pin_host(self.addr, self.nbytes)
         rc = engine.register_memory(self.addr, self.nbytes)
         if rc != 0:
+            self._unpin()
             raise TransferError(f"mooncake: register_memory of {self.nbytes} bytes ({memory}) returned {rc}")
 
-    def write(self, src: Any) -> None:
-        """Copy ``src`` (a numpy array or a torch tensor, CPU or CUDA) into the buffer."""
-        if isinstance(self.data, np.ndarray):
-            if not isinstance(src, np.ndarray):
-                src = src.detach().cpu().numpy()
-            np.copyto(self.data, src, casting="no")  # a float32 into a bf16 slot is refused, not cast
-        else:
-            import torch
+    @property
+    def placement(self) -> str:
+        if not isinstance(self.data, np.ndarray):
+            return str(self.data.device)
+        return "host (page-locked)" if self.pinned else "host"
 
-            self.data.copy_(torch.from_numpy(src) if isinstance(src, np.ndarray) else src)
+    def write(self, src: Any) -> None:
+        """Copy ``src`` (a numpy array or a torch tensor, CPU or CUDA) into the buffer, as it is:
+        a float32 into a bf16 slot is refused, not cast."""
+        import torch
+
+        if isinstance(self.data, np.ndarray) and isinstance(src, np.ndarray):
+            if src.dtype != self.data.dtype or src.size != self.data.size:
+                raise ValueError(f"slot of {self.data.size} {self.dtype}: refused {src.size} values of {src.dtype}")
+            np.copyto(self.data, src.reshape(-1), casting="no")
+            return
+        dst = self.tensor()
+        if isinstance(src, np.ndarray):  # bf16 travels as raw uint16 bits: view them, never convert
+            src = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16) if src.dtype == np.uint16 \
+                else torch.from_numpy(src)
+        if src.dtype != dst.dtype or src.numel() != dst.numel():
+            raise ValueError(f"slot of {dst.numel()} {self.dtype}: refused {src.numel()} values of {src.dtype}")
+        dst.copy_(src.reshape(-1))  # from the GPU into page-locked memory: a DMA at full speed
+
+    def tensor(self) -> Any:
+        """The buffer as a torch tensor of its dtype, sharing its memory."""
+        import torch
+
+        if not isinstance(self.data, np.ndarray):
+            return self.data
+        if self.dtype == "bfloat16":
+            return torch.from_numpy(self.data.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(self.data)
 
     def release(self, engine: Any) -> None:
         engine.unregister_memory(self.addr)
+        self._unpin()
+
+    def _unpin(self) -> None:
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.addr)
+            self.pinned = False
 
 
 # ---------------------------------------------------------------- the core's side
@@ -177,15 +244,24 @@ class _Slot:
 
 
 class MooncakeWeightPublisher:
-    """The core's ``WeightPublisher``: two registered slots per dtype it publishes (float32, and a
-    bfloat16 serving copy with ``serve_bf16``), a control ROUTER on its own thread."""
+    """The core's ``WeightPublisher``: two registered host-memory slots per dtype it publishes, a
+    control ROUTER on its own thread.
+
+    ``dtypes``: what pullers ask for; by default float32 (trainers start from it), plus the bf16
+    serving copy with ``serve_bf16``. A serving-only publisher (``dtypes=("bfloat16",)``) holds 4
+    bytes a parameter. ``memory="cuda"`` (pullers receive in GPU memory) requires a CUDA device
+    here too; the slots are page-locked host memory whenever one is seen."""
 
     def __init__(self, ctx: zmq.Context, bind_addr: str, *, host: str, protocol: MooncakeProtocol = "tcp",
-                 device_name: str = "", memory: MooncakeMemory = "cpu", serve_bf16: bool = False):
+                 device_name: str = "", memory: MooncakeMemory = "cpu", serve_bf16: bool = False,
+                 dtypes: tuple[WeightsDtype, ...] | None = None):
         if memory == "cuda":
             require_cuda()
-        self._memory: MooncakeMemory = memory
-        self._dtypes: tuple[WeightsDtype, ...] = ("float32", "bfloat16") if serve_bf16 else ("float32",)
+        if dtypes is None:
+            dtypes = ("float32", "bfloat16") if serve_bf16 else ("float32",)
+        if not dtypes or len(set(dtypes)) != len(dtypes) or not set(dtypes) <= set(WEIGHT_ITEMSIZE):
+            raise ValueError(f"dtypes: want one or more distinct of {sorted(WEIGHT_ITEMSIZE)}, got {dtypes!r}")
+        self._dtypes: tuple[WeightsDtype, ...] = tuple(dtypes)
         self._engine, self.session_id = start_engine(host, protocol, device_name)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -206,7 +282,7 @@ class MooncakeWeightPublisher:
             with self._lock:
                 slot.generation += 1  # before the first byte changes: readers of the old bytes fail their check
                 slot.writing = True
-            slot.buffer.write((weights if dtype == "float32" else to_bf16(weights)).data)
+            slot.buffer.write((to_bf16(weights) if dtype == "bfloat16" and weights.dtype != "bfloat16" else weights).data)
             with self._lock:
                 slot.writing = False
                 slot.version, slot.specs = weights.version, weights.specs
@@ -215,6 +291,16 @@ class MooncakeWeightPublisher:
 
     def start(self) -> None:
         self._thread.start()
+
+    def footprint(self) -> dict[str, Any]:
+        """What the slots registered so far hold: bytes, bytes a parameter, where they live."""
+        with self._lock:
+            buffers = [slot.buffer for slots in self._slots.values() for slot in slots]
+        n = buffers[0].num_elements if buffers else 0
+        total = sum(b.nbytes for b in buffers)
+        return {"dtypes": list(self._dtypes), "slots": len(buffers), "bytes": total,
+                "bytes_per_parameter": total / n if n else 0.0,
+                "placement": sorted({b.placement for b in buffers})}
 
     def close(self) -> None:
         self._stop.set()
@@ -234,7 +320,7 @@ class MooncakeWeightPublisher:
         if held != num_elements:
             raise ValueError(f"publish: {num_elements} elements, the registered slots hold {held}")
         if index == len(slots):  # registered once, on the first version that needs it
-            slots.append(_Slot(RegisteredBuffer(self._engine, num_elements, self._memory, dtype)))
+            slots.append(_Slot(RegisteredBuffer(self._engine, num_elements, "cpu", dtype, pin=True)))
         return slots[index]
 
     def _serve(self) -> None:
@@ -260,8 +346,8 @@ class MooncakeWeightPublisher:
         with self._lock:
             slots = self._slots.get(req.dtype)
             if slots is None:
-                return ErrorReply(where=req.TAG, message=f"{req.dtype} is not published here (the run's engines "
-                                                         "do not serve in bf16)")
+                return ErrorReply(where=req.TAG, message=f"{req.dtype} is not published here (it keeps "
+                                                         f"{', '.join(self._dtypes)}: what its pullers ask for)")
             if isinstance(req, CheckSlot):
                 if req.slot >= len(slots):
                     return ErrorReply(where="check_slot", message=f"slot {req.slot} was never offered")

@@ -754,7 +754,9 @@ class ProxyServer:
                     result = await self._engine_generate(route, call)
             except EngineUnavailable as exc:
                 last = f"cell {route.cell_id} ({route.url}): {exc}"
+                self.router.failed(route.url)  # its other sessions move on without a failed try each
             else:
+                self.router.succeeded(route.url)
                 floor = self._min_version.get(call.execution_id, 0)
                 if result.finish != "abort" and result.weight_version >= floor:
                     return result

@@ -64,3 +64,39 @@ def test_engines_older_than_the_floor_are_never_chosen():
     # Excluding every new-enough engine falls back to them, never to an older one.
     assert pick_engine(versions, in_flight={}, num_sticky={}, exclude={"http://v2"}, min_version=2) == versions[2]
     assert pick_engine(versions, in_flight={}, num_sticky={}, min_version=3) is None
+
+
+# ---------------------------------------------------------------- a cell's servers, one of them dead
+
+CELL = [EngineRoute(cell_id=4, url=f"http://s{i}") for i in range(3)]  # one cell's three servers
+
+
+def test_a_down_server_is_passed_over_while_another_can_take_the_call():
+    down = {"http://s1"}
+    assert pick_engine(CELL, in_flight={}, num_sticky={}, sticky_url="http://s1", down=down) == CELL[0]
+    assert pick_engine(CELL, in_flight={"http://s0": 1}, num_sticky={}, down=down) == CELL[2]
+    # only down (or already tried) servers left: the down one, not one this call already failed on
+    assert pick_engine(CELL, in_flight={}, num_sticky={}, exclude={"http://s0", "http://s2"}, down=down) == CELL[1]
+    everything = {e.url for e in CELL}
+    assert pick_engine(CELL, in_flight={}, num_sticky={}, exclude=everything, down=everything) == CELL[0]
+
+
+def test_sessions_stick_spread_and_move_off_a_dead_server():
+    now = [100.0]
+    r = Router(clock=lambda: now[0], down_s=10.0)
+    assert r.update(RoutingTable(version=1, engines=CELL))
+    first = {ex: r.choose(ex, "").url for ex in ("a", "b", "c")}
+    assert sorted(first.values()) == [e.url for e in CELL]  # new sessions spread over the servers
+    assert all(r.choose(ex, "").url == url for ex, url in first.items())  # and each stays on its own
+    dead = first["b"]
+    r.failed(dead)
+    moved = r.choose("b", "", exclude=[dead]).url
+    assert moved != dead and r.sticky_url("b", "") == moved  # re-pinned where its call landed
+    assert r.choose("b", "").url == moved
+    assert r.choose("d", "").url != dead  # a new session avoids it, although it holds no session now
+    now[0] += 10.0
+    assert r.down() == set()  # after down_s it takes sessions again
+    assert r.choose("e", "").url == dead
+    r.failed(dead)
+    r.succeeded(dead)  # an answer clears it at once
+    assert r.down() == set()

@@ -11,10 +11,16 @@ goes through what a Gyre cell does on a cluster, with the production classes:
    optimizer) on the served samples; the served log-probs vs Megatron's recomputed ones on the
    same weights (the train/inference mismatch; goal: mean |delta| <= 0.02). Then the core's
    gradient on one shard before and after it offloads for serving and comes back: the same.
-4. A role switch train -> serve with the new version, timed; the served weight_version checked.
-5. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
-6. The Mooncake Transfer Engine pull bandwidth, GPU memory to GPU memory, between two processes:
-   raw Mooncake reads, and Gyre's own publisher/puller with ``cluster.mooncake.memory=cuda``.
+4. The core's long operations around serving (``trainer_cycle``): stop (offload), weights(),
+   checkpoint, start, and a step whose gradient is not zero; each per billion parameters against
+   the heartbeat and start limits. GPU 0's peak in a step with the Mooncake publisher's slots
+   filled (``publisher_slots``: host memory, 0 bytes on the GPU). One-trajectory steps at 4k,
+   8k, 16k and 32k tokens until the first out-of-memory (``long_context``).
+5. A role switch train -> serve with the new version, timed; the served weight_version checked.
+6. A weight update into the serving engine (``/update_weights_from_disk`` from /dev/shm).
+7. The Mooncake Transfer Engine pull, GPU memory to GPU memory, between two processes with the
+   installed build (the CUDA 13 one from ``make gpu-env``), over TCP and then RDMA: the time to
+   register GPU memory, raw reads, and Gyre's own publisher/puller with ``cluster.mooncake.memory=cuda``.
 
 Each stage runs in its own guard: a failure is recorded under ``errors`` and the check goes on
 where it can, so one run gives every figure it can. Not a test: nothing is asserted but shapes.
@@ -29,6 +35,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,7 +102,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("torch", "sglang", "megatron-core", "mooncake-transfer-engine", "transformers"):
+    for pkg in ("torch", "sglang", "megatron-core", "mooncake-transfer-engine-cuda13", "transformers"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -214,6 +221,201 @@ def logprob_mismatch(trainer: Any, samples: list[dict], k: int) -> dict[str, flo
             "goal_mean_abs": PARITY_GOAL, "meets_goal": mean <= PARITY_GOAL}
 
 
+class TickWatch:
+    """A thread that ticks every ``interval_s``, as the cell's heartbeat thread does
+    (``cellrunner.main``'s ControlLink), and keeps the longest gap between two ticks: an operation
+    that holds the GIL (or the process) longer than the controller's heartbeat timeout would get a
+    healthy cell declared dead."""
+
+    def __init__(self, interval_s: float = 0.5):
+        import threading
+
+        self.interval_s = interval_s
+        self.max_gap_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tick-watch", daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            self.max_gap_s = max(self.max_gap_s, now - last)
+            last = now
+
+    def __enter__(self) -> "TickWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cluster_limits() -> dict[str, float]:
+    """The limits a long operation runs against on a cluster: the controller's heartbeat timeout
+    (conf/cluster/local.yaml, which slurm.yaml inherits) and a cell's start (conf/cluster/slurm.yaml)."""
+    import yaml
+
+    local = yaml.safe_load(open(ROOT / "conf/cluster/local.yaml"))
+    slurm = yaml.safe_load(open(ROOT / "conf/cluster/slurm.yaml"))
+    return {"heartbeat_timeout_s": float(local["heartbeat_timeout_s"]), "start_timeout_s": float(slurm["start_timeout_s"])}
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trainer_cycle(trainer: Any, shard: Any, ckpt_dir: str, limits: dict[str, float]) -> dict[str, Any]:
+    """The core's long operations in the order a cell runs them around serving: ``stop`` (offload
+    to the host), ``weights()`` (the export serving engines load, read from the offloaded copies),
+    ``save_checkpoint``, ``start`` (back on the device), then one step, whose gradient must not be
+    zero (an offload that lost DDP's hooks gave exactly 0). Each timed, per billion parameters, and
+    how many billion parameters fit in each limit at that rate; a heartbeat-like thread's longest
+    gap says whether any of them starves the cell's heartbeat."""
+    import numpy as np
+
+    n = sum(p.numel() for p in trainer.model.module.parameters())
+    before = trainer.weights(everywhere=False)
+    ops: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        ops[name] = time.perf_counter() - t
+        return out
+
+    with TickWatch() as watch:
+        timed("stop", trainer.stop)
+        offloaded = bool(getattr(trainer, "_offloaded", False))
+        exported = timed("weights", lambda: trainer.weights(everywhere=False))
+        path = timed("checkpoint", lambda: trainer.save_checkpoint(ckpt_dir))
+        timed("start", lambda: trainer.start(None))
+        res = timed("step", lambda: trainer.microstep(shard))
+        grads = trainer.take_grads()
+    grad_l2 = float(np.linalg.norm(grads))
+    billions = n / 1e9
+    return {
+        "parameters": n, "offloaded": offloaded, "version": trainer.version,
+        "weights_after_stop_equal": bool(np.array_equal(exported.data, before.data)),
+        "checkpoint": path, "checkpoint_bytes": sum(f.stat().st_size for f in Path(path).iterdir()),
+        "step_tokens": res.num_tokens, "grad_l2": grad_l2, "nonzero_grad": bool(np.isfinite(grad_l2) and grad_l2 > 0),
+        "ops": {k: {"s": round(v, 4), "s_per_billion": round(v / billions, 4),
+                    **{f"billion_within_{lim}": float(f"{limit / (v / billions):.3g}") if v > 0 else None
+                       for lim, limit in limits.items()}} for k, v in ops.items()},
+        "max_tick_gap_s": round(watch.max_gap_s, 3), "limits": limits,
+        "heartbeat_kept": watch.max_gap_s < limits["heartbeat_timeout_s"],
+    }
+
+
+def one_trajectory(length: int, seed: int, vocab: int = VOCAB) -> Any:
+    """One sequence of ``length`` tokens, its second half the completion, behaviour log-probs at a
+    random init's level (log 1/vocab), so the GSPO ratio is near 1 and the step has a gradient."""
+    import math
+
+    from controller import wire
+
+    rng = random.Random(seed)
+    prompt = length // 2
+    mask = [0] * prompt + [1] * (length - prompt)
+    level = -math.log(vocab)
+    lo, hi = min(1000, vocab // 4), min(vocab, 100000)  # ordinary tokens, no specials
+    seq = wire.Sequence(execution_id=f"long{length}", tokens=[rng.randrange(lo, hi) for _ in range(length)],
+                        target_mask=mask, behaviour_logprobs=[level if m else 0.0 for m in mask], advantage=1.0,
+                        token_weight=1.0 / (length - prompt))
+    return wire.Shard(step=0, shard_id=f"long-{length}", num_executions=1, sequences=[seq])
+
+
+def long_context(trainer: Any, lengths: list[int], vocab: int = VOCAB) -> dict[str, Any]:
+    """One-trajectory steps (forward and backward of one sequence) at growing lengths until the
+    first that runs out of GPU memory: the longest trajectory one GPU trains with this layout."""
+    import torch
+
+    out: dict[str, Any] = {}
+    first_oom = None
+    for length in lengths:
+        shard = one_trajectory(length, seed=length, vocab=vocab)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            sync()
+            t = time.perf_counter()
+            res = trainer.microstep(shard)
+            sync()
+            dt = time.perf_counter() - t
+            trainer.take_grads()
+            out[str(length)] = {"fwd_bwd_s": round(dt, 3), "tokens_per_s": round(length / dt, 1),
+                                "target_tokens": res.num_tokens, "loss_finite": bool(res.loss == res.loss),
+                                **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+                                   if torch.cuda.is_available() else {})}
+        except torch.cuda.OutOfMemoryError as exc:
+            first_oom = length
+            out[str(length)] = {"oom": True, "error": str(exc).splitlines()[0][:300]}
+            trainer.model.zero_grad_buffer()  # what the partial backward left
+            trainer.num_microsteps = 0
+            torch.cuda.empty_cache()
+            break
+    fit = [int(k) for k, v in out.items() if not v.get("oom")]
+    return {"lengths": out, "first_oom": first_oom, "longest_fit": max(fit) if fit else None}
+
+
+def publisher_slots_during_step(trainer: Any, weights: Any, shard: Any, *, memory: str, protocol: str,
+                                dtypes: tuple[str, ...]) -> dict[str, Any]:
+    """The core's whole-model Mooncake publisher as a cell makes it (``memory`` as configured), both
+    slots filled, then a training step: GPU 0's peak with the slots in place, and where they live.
+    Before the slots moved to host memory they added 12 bytes a parameter to GPU 0."""
+    import torch
+    import zmq
+
+    from cellrunner.transfer_mooncake import MooncakeWeightPublisher
+
+    cuda = torch.cuda.is_available()
+    sync()
+    used = (lambda: torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) if cuda else (lambda: 0)
+    base_used, base_alloc = used(), torch.cuda.memory_allocated() if cuda else 0
+    pub = MooncakeWeightPublisher(zmq.Context.instance(), "tcp://127.0.0.1:0", host="127.0.0.1", protocol=protocol,
+                                  memory=memory, dtypes=dtypes)
+    try:
+        t = time.perf_counter()
+        for version in (weights.version, weights.version + 1):  # both slots
+            pub.publish(type(weights)(version, weights.specs, weights.data))
+        sync()
+        publish_s = (time.perf_counter() - t) / 2
+        slots_used = used() - base_used
+        slots_alloc = (torch.cuda.memory_allocated() - base_alloc) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        res = trainer.microstep(shard)
+        grads = trainer.take_grads()
+        footprint = pub.footprint()
+    finally:
+        pub.close()
+    return {"footprint": footprint, "publish_s": round(publish_s, 4),
+            "gpu_bytes_added_by_slots": slots_alloc, "device_bytes_added_by_slots": slots_used,
+            "step_tokens": res.num_tokens, "step_grad_nonzero": bool(abs(grads).sum() > 0),
+            **({"peak_gpu_gib_step_with_slots": round(torch.cuda.max_memory_allocated() / 2**30, 2)} if cuda else {})}
+
+
+def mooncake_build() -> dict[str, str]:
+    """Which Mooncake distribution is installed (they all install ``mooncake``) and torch's CUDA."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    out = {"torch_cuda": str(torch.version.cuda)}
+    for dist in ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def mooncake_pull(nbytes: int, protocols: list[str], report: Report) -> None:
     """A child process reads ``nbytes`` of this process's GPU memory into its own, per protocol."""
     import torch
@@ -228,9 +430,11 @@ def mooncake_pull(nbytes: int, protocols: list[str], report: Report) -> None:
         if rc != 0:
             results[protocol] = {"error": f"initialize rc={rc}"}
             continue
+        t = time.perf_counter()
         if te.register_memory(src.data_ptr(), nbytes) != 0:
-            results[protocol] = {"error": "register_memory failed"}
+            results[protocol] = {"error": "register_memory of GPU memory failed"}
             continue
+        register_s = time.perf_counter() - t
         session = f"127.0.0.1:{te.get_rpc_port()}"
         cmd = [sys.executable, __file__, "--mooncake-reader", protocol, session, str(src.data_ptr()), str(nbytes),
                str(checksum)]
@@ -239,10 +443,11 @@ def mooncake_pull(nbytes: int, protocols: list[str], report: Report) -> None:
             last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
             results[protocol] = json.loads(last) if last.startswith("{") else {
                 "error": f"reader exited {out.returncode}: {out.stderr[-500:]}"}
+            results[protocol]["register_gpu_s"] = round(register_s, 4)
         except subprocess.TimeoutExpired:
             results[protocol] = {"error": "reader timed out"}
         te.unregister_memory(src.data_ptr())
-    report.figures["mooncake_pull"] = {"bytes": nbytes, **results}
+    report.figures["mooncake_pull"] = {"bytes": nbytes, "build": mooncake_build(), **results}
 
 
 def mooncake_reader(protocol: str, session: str, remote: int, nbytes: int, checksum: int) -> None:
@@ -278,8 +483,8 @@ def mooncake_reader(protocol: str, session: str, remote: int, nbytes: int, check
 
 def gyre_cuda_pull(nbytes: int, protocol: str, report: Report) -> None:
     """Gyre's own transfer=mooncake path with ``cluster.mooncake.memory=cuda``: this process is the
-    core (MooncakeWeightPublisher, slots in GPU memory, filled device to device), a child is a
-    satellite (MooncakeWeightPuller, its receive buffer in GPU memory) that pulls, checks and times."""
+    core (MooncakeWeightPublisher, slots in page-locked host memory, filled from the GPU), a child
+    is a satellite (MooncakeWeightPuller, its receive buffer in GPU memory) that pulls, checks and times."""
     import torch
     import zmq
 
@@ -294,11 +499,13 @@ def gyre_cuda_pull(nbytes: int, protocol: str, report: Report) -> None:
                                   memory="cuda")
     pub.start()
     publish_s = -1.0
+    slots: dict[str, Any] = {}
     try:
         t = time.perf_counter()
         pub.publish(FlatWeights(1, (TensorSpec(name="w", shape=[n], offset=0),), data))
         torch.cuda.synchronize()
         publish_s = time.perf_counter() - t
+        slots = pub.footprint()
         cmd = [sys.executable, __file__, "--gyre-puller", protocol, pub.addr, str(nbytes), repr(checksum)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, min(120.0, report.left())))
         last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
@@ -307,7 +514,8 @@ def gyre_cuda_pull(nbytes: int, protocol: str, report: Report) -> None:
         res = {"error": "puller timed out"}
     finally:
         pub.close()
-    report.figures.setdefault("gyre_cuda_pull", {})[protocol] = {"bytes": nbytes, "publish_s": round(publish_s, 4), **res}
+    report.figures.setdefault("gyre_cuda_pull", {})[protocol] = {"bytes": nbytes, "publish_s": round(publish_s, 4), "slots": slots,
+                                                                  **res}
 
 
 def gyre_puller(protocol: str, addr: str, nbytes: int, checksum: float) -> None:
@@ -333,6 +541,33 @@ def gyre_puller(protocol: str, addr: str, nbytes: int, checksum: float) -> None:
                       "seconds": [round(t, 4) for t in times], "landed_on_gpu": on_gpu, "verified": ok}))
 
 
+def stack_configs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The algorithm, SGLang and Megatron configs of the check: the run's own YAML (conf/), on one
+    GPU, so a field added there reaches the check too."""
+    import yaml
+
+    from cellrunner.config import MegatronConfig
+    from cellrunner.engine_sglang import SGLangConfig
+    from controller.typed_config import build
+    from trajectory.config import AlgoConfig
+
+    algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
+                              "lr": 1e-6, "max_tokens_per_microstep": 8192, "tree_packing": False})
+    # conf/engine/sglang.yaml as a run reads it, on one GPU (its interpolated keys set here).
+    sg_cfg = build(SGLangConfig, {**yaml.safe_load(open(ROOT / "conf/engine/sglang.yaml")), **dict(
+        python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
+        mem_fraction_static=args.mem_fraction, dtype="bfloat16", context_length=2048,
+        disable_cuda_graph=args.disable_cuda_graph, weight_update="disk", weight_dir=args.work_dir,
+        startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[],
+        flush_cache_timeout_s=120.0)})
+    # conf/trainer/megatron.yaml as a run reads it (attention, recompute, ...), on one GPU in bf16.
+    mg_cfg = build(MegatronConfig, {**yaml.safe_load(open(ROOT / "conf/trainer/megatron.yaml")),
+                                    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                    "expert_model_parallel_size": 1, "params_dtype": "bfloat16",
+                                    "layer_spec": "local", "offload_when_serving": True, "moe_aux_loss_coeff": 0.0})
+    return algo, sg_cfg, mg_cfg
+
+
 def run(args: argparse.Namespace) -> dict:
     report = Report(args.budget_s)
     figures = report.figures
@@ -351,11 +586,10 @@ def run(args: argparse.Namespace) -> dict:
         import yaml
 
         from cellrunner.config import ModelConfig
-        from cellrunner.engine_sglang import SGLangConfig, SGLangEngine
+        from cellrunner.engine_sglang import SGLangEngine
         from cellrunner.make_checkpoint import write_checkpoint
-        from cellrunner.megatron_trainer import MegatronConfig, MegatronTrainer
+        from cellrunner.megatron_trainer import MegatronTrainer
         from controller.typed_config import build
-        from trajectory.config import AlgoConfig
 
         figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
         # Version 0 is a checkpoint folder, as on a cluster (model=qwen3_hf model.path=...): a
@@ -365,22 +599,14 @@ def run(args: argparse.Namespace) -> dict:
         folder = write_checkpoint(Path(args.work_dir) / f"qwen3-{args.shape}-random", shape=args.shape, dtype="bfloat16")
         figures["checkpoint_write_s"] = round(time.perf_counter() - t, 2)
         model_cfg = build(ModelConfig, {**yaml.safe_load(open(ROOT / "conf/model/qwen3_hf.yaml")), "path": str(folder)})
-        algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
-                                  "lr": 1e-6, "max_tokens_per_microstep": 8192, "tree_packing": False})
-        sg_cfg = build(SGLangConfig, dict(
-            kind="sglang", python="", tp_size=1, dp_size=1, ep_size=1, nnodes=1, dist_init_port=0,
-            mem_fraction_static=args.mem_fraction, dtype="bfloat16", context_length=2048,
-            disable_cuda_graph=args.disable_cuda_graph, weight_update="disk", weight_dir=args.work_dir,
-            startup_timeout_s=240.0, request_timeout_s=300.0, poll_interval_s=0.05, extra_args=[],
-            flush_cache_timeout_s=120.0))
-        mg_cfg = MegatronConfig(kind="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                expert_model_parallel_size=1, params_dtype="bfloat16", layer_spec="local",
-                                pad_vocab_to=128, offload_when_serving=True, moe_aux_loss_coeff=0.0,
-                                command_timeout_s=604800.0)
+        algo, sg_cfg, mg_cfg = stack_configs(args)
 
         if args.no_sglang:
             report.off = {"sglang_start", "load_v0", "serve", "serve_to_train", "train_to_serve", "weight_update"}
             report.skipped.append(", ".join(sorted(report.off)) + ": --no-sglang")
+        if args.skip_mooncake:
+            report.off.add("publisher_slots")
+            report.skipped.append("publisher_slots, mooncake_pull: --skip-mooncake")
         with report.stage("sglang_start", needs_s=120) as go:
             if go:
                 t = time.perf_counter()
@@ -466,6 +692,26 @@ def run(args: argparse.Namespace) -> dict:
             if go:
                 figures["offload_roundtrip"] = offload_roundtrip(trainer, shard_from(samples, step=1))
 
+        trained = trainer is not None and bool(samples) and w is not None and w.version == 1
+        with report.stage("trainer_cycle", needs_s=45, requires=trained) as go:
+            if go:
+                ckpt_dir = Path(args.work_dir) / "checkpoints"
+                figures["trainer_cycle"] = trainer_cycle(trainer, shard_from(samples, step=1), str(ckpt_dir),
+                                                         cluster_limits())
+                shutil.rmtree(ckpt_dir, ignore_errors=True)  # 14 bytes a parameter in /dev/shm
+
+        with report.stage("publisher_slots", needs_s=30, requires=trained) as go:
+            if go:
+                # The core's whole-model publisher of a single-rank cell serving in bf16: both dtypes,
+                # the most it keeps (a multi-rank core keeps bf16 only).
+                figures["publisher_slots"] = publisher_slots_during_step(
+                    trainer, w, shard_from(samples, step=1), memory="cuda", protocol="tcp",
+                    dtypes=("float32", "bfloat16"))
+
+        with report.stage("long_context", needs_s=60, requires=trained) as go:
+            if go:
+                figures["long_context"] = long_context(trainer, [int(x) for x in args.long_context.split(",")])
+
         ready = engine is not None and trainer is not None and w is not None and w.version == 1
         with report.stage("train_to_serve", needs_s=30, requires=ready) as go:
             if go:
@@ -493,8 +739,6 @@ def run(args: argparse.Namespace) -> dict:
                 figures["weight_update"] = {"method": "update_weights_from_disk (/dev/shm, bf16)", "s": round(dt, 3),
                                             "gib_per_s": round(w.data.size * 2 / dt / 2**30, 2)}
 
-        if args.skip_mooncake:
-            report.skipped.append("mooncake_pull: --skip-mooncake")
         with report.stage("mooncake_pull", needs_s=20, requires=True) if not args.skip_mooncake \
                 else contextlib.nullcontext(False) as go:
             if go:
@@ -527,6 +771,12 @@ def main() -> None:
         _, _, protocol, addr, nbytes, checksum = sys.argv
         gyre_puller(protocol, addr, int(nbytes), float(checksum))
         return
+    result = run(parser().parse_args())
+    sys.stdout.flush()
+    print(json.dumps(result, default=str), flush=True)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-s", type=float, default=450.0, help="stages that would not fit are skipped")
     ap.add_argument("--work-dir", default="/dev/shm/gyre-gpu-check")
@@ -536,15 +786,14 @@ def main() -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.45)
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--mooncake-mib", type=int, default=1024)
-    ap.add_argument("--mooncake-protocols", default="rdma,tcp", help="tried in order; each reported")
+    ap.add_argument("--mooncake-protocols", default="tcp,rdma", help="tried in order; each reported")
+    ap.add_argument("--long-context", default="4096,8192,16384,32768",
+                    help="one-trajectory step lengths, tried in order until the first out-of-memory")
     ap.add_argument("--skip-mooncake", action="store_true")
     ap.add_argument("--shape", default="0.6b", help="cellrunner.make_checkpoint's shape (tiny: a CPU smoke run)")
     ap.add_argument("--no-sglang", action="store_true",
                     help="no SGLang on this machine: the Megatron stages on samples the trainer scores itself")
-    args = ap.parse_args()
-    result = run(args)
-    sys.stdout.flush()
-    print(json.dumps(result, default=str), flush=True)
+    return ap
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one H200, <= 8 minutes): SGLang serving with log-probs, a Megatron GSPO
-# step, the weight update into SGLang, a role switch each way, the Mooncake pull bandwidth.
-# Needs the GPU environment (scripts/install_gpu.sh); its last stdout line is one JSON object,
+# The prepared GPU check (one H100 or H200, <= 8 minutes): SGLang serving with log-probs, a Megatron
+# GSPO step, the core's stop -> weights -> checkpoint -> start -> step cycle timed against the
+# heartbeat and start limits, GPU 0's peak with the Mooncake publisher's slots, one-trajectory steps
+# up to 32k tokens, the weight update into SGLang, a role switch each way, the CUDA 13 Mooncake pull.
+# Needs the GPU environment (make gpu-env: .venv-gpu); its last stdout line is one JSON object,
 # also when the driver dies or runs out of time.
 #
 #   scripts/gpu_check.sh [gpu_check.py options]      GYRE_GPU_PYTHON=path/to/python to override

@@ -102,9 +102,10 @@ class MooncakeConfig:
     """The RDMA NICs Mooncake may use, comma separated (``mlx5_0,mlx5_1``); empty: Mooncake picks
     (its topology discovery). Ignored with ``tcp``."""
     memory: Literal["cpu", "cuda"]
-    """Where the registered buffers live: host memory, or the cell's current CUDA device, so the
-    core's slots are filled device-to-device and a satellite's pull lands in GPU memory without a
-    host copy (needs the CUDA build, ``mooncake-transfer-engine``, from the ``[gpu]`` extra)."""
+    """Where a satellite's pull lands: host memory, or the cell's current CUDA device without a host
+    copy (needs the CUDA 13 build, ``mooncake-transfer-engine-cuda13``, from ``make gpu-env``). The
+    core's slots are host memory either way, page-locked where it sees a CUDA device
+    (``cellrunner.transfer_mooncake``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

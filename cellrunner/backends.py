@@ -15,11 +15,13 @@ from cellrunner.engine import EmbeddedEngine
 from cellrunner.grads import GradExchange
 from cellrunner.rank_weights import RankWeights
 from cellrunner.ranks import CellRanks
+from cellrunner.servers import ServerPart, part_of_rank, placement_problem
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import RankLinks
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
+from controller.layout import NODE_LOCAL_DIRS, engine_pp_of
 from controller.wire import WeightsDtype
 from trajectory.config import AlgoConfig
 
@@ -64,43 +66,110 @@ def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
                            device_s_per_token=cfg.trainer.device_s_per_token)
 
 
+def server_shape(engine: SGLangConfig) -> tuple[int, int]:
+    """(nodes, GPUs) of one of the cell's SGLang servers; pipeline stages travel in extra_args."""
+    return engine.nnodes, engine.tp_size * engine_pp_of(engine.extra_args) * engine.dp_size
+
+
+def serving_part(cfg: CellRunnerConfig, ranks: CellRanks) -> ServerPart | None:
+    """This rank's share of the cell's SGLang servers (``cellrunner.servers``), None for none. A
+    one-process cell runs one server; a multi-rank cell has one rank per GPU."""
+    if not isinstance(cfg.engine, SGLangConfig):
+        return None
+    if not ranks.is_multi_rank:
+        return ServerPart(server=0, node_rank=0, base_gpu_id=0, first_node=0)
+    nodes, gpus = server_shape(cfg.engine)
+    return part_of_rank(ranks.rank, cell_nodes=ranks.nnodes, gpus_per_node=ranks.world_size // ranks.nnodes,
+                        server_nodes=nodes, gpus_per_server=gpus)
+
+
 def check_ranks(cfg: CellRunnerConfig, ranks: CellRanks) -> None:
-    """A multi-rank cell needs a trainer that is one (``trainer=megatron``), and an SGLang server
-    that spans the cell's nodes (otherwise the other nodes' GPUs would sit idle while serving)."""
+    """A multi-rank cell needs a trainer that is one (``trainer=megatron``), and SGLang servers that
+    tile the cell's GPUs (``cellrunner.servers``: otherwise some would sit idle while serving);
+    servers on several nodes load the leader's weight files, so those must be shared."""
     if ranks.is_multi_rank and not isinstance(cfg.trainer, MegatronConfig):
         raise ValueError(f"this cell has {ranks.world_size} ranks, but trainer={cfg.trainer.kind} runs one "
                          "process per cell: set cluster.ranks_per_node=1, or trainer=megatron")
-    if isinstance(cfg.engine, SGLangConfig) and cfg.engine.nnodes != ranks.nnodes:
-        raise ValueError(f"engine.nnodes={cfg.engine.nnodes}, but the cell has {ranks.nnodes} node(s): "
-                         "one SGLang server spans a cell's nodes")
+    if not isinstance(cfg.engine, SGLangConfig):
+        return
+    nodes, gpus = server_shape(cfg.engine)
+    if not ranks.is_multi_rank:
+        if nodes != 1:
+            raise ValueError(f"engine.nnodes={nodes}, but this cell is one process on one node: a server over "
+                             "several nodes needs a rank on each (trainer=megatron)")
+        return
+    problem = placement_problem(cell_nodes=ranks.nnodes, gpus_per_node=ranks.world_size // ranks.nnodes,
+                                server_nodes=nodes, gpus_per_server=gpus)
+    if problem:
+        raise ValueError(f"engine: {problem} (the cell: {ranks.nnodes} node(s) x {ranks.world_size // ranks.nnodes} "
+                         f"rank(s), one per GPU; a server: engine.nnodes={nodes}, tp*pp*dp={gpus})")
+    if ranks.nnodes > 1 and cfg.engine.weight_dir.startswith(NODE_LOCAL_DIRS):
+        raise ValueError(f"engine.weight_dir={cfg.engine.weight_dir} is node-local, and this cell's servers on its "
+                         f"other {ranks.nnodes - 1} node(s) load each version the leader writes there: set "
+                         "engine.weight_dir to a shared folder")
+
+
+def _part_process(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, part: ServerPart,
+                  hosts: list[str], api_key: str) -> Any:
+    from cellrunner.engine_sglang import SGLangProcess
+
+    assert isinstance(cfg.engine, SGLangConfig)
+    addr = ""
+    if cfg.engine.nnodes > 1:  # the server's first node hosts its rendezvous; one port per server
+        per_node = ranks.world_size // ranks.nnodes
+        addr = f"{hosts[part.first_node * per_node]}:{cfg.engine.dist_init_port + part.server}"
+    return SGLangProcess(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+                         cell_id=cell_id, max_running=cfg.capacity_per_cell,
+                         seed=cfg.seed * 1000 + cell_id + 1_000_000 * part.server,  # servers sample apart
+                         log_dir=cfg.log_dir, server=part.server, node_rank=part.node_rank,
+                         base_gpu_id=part.base_gpu_id, dist_init_addr=addr, api_key=api_key)
 
 
 def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks | None = None,
-                api_key: str = "") -> Any:
-    """The engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy and
-    want ``api_key`` on every route but /health ("" = open; ``controller.engine_key``)."""
+                api_key: str = "", channel: CommandChannel | None = None) -> Any:
+    """The leader's engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy and
+    want ``api_key`` on every route but /health ("" = open; ``controller.engine_key``).
+
+    A multi-rank SGLang cell: collective with every follower's ``make_node_engine`` over
+    ``channel`` (the nodes' addresses, then the servers' URLs), so the engine drives every server."""
     seed = cfg.seed * 1000 + cell_id
     if isinstance(cfg.engine, SGLangConfig):
-        from cellrunner.engine_sglang import SGLangEngine
+        from cellrunner.engine_sglang import SGLangEngine, server_log_path
 
-        node, addr = 0, ""
-        if ranks is not None and cfg.engine.nnodes > 1:
-            node, addr = ranks.node_rank, f"{ranks.master_addr}:{cfg.engine.dist_init_port}"
+        own, others = None, []
+        if ranks is not None and ranks.is_multi_rank:
+            assert channel is not None, "a multi-rank cell's servers are placed over its command channel"
+            hosts = channel.gather_strings(cfg.host)
+            part = serving_part(cfg, ranks)
+            assert part is not None and part.server == 0 and part.serves_http, "rank 0 starts server 0"
+            own = _part_process(cfg, vocab_size, cell_id, ranks, part, hosts, api_key)
+            # in rank order, which is server order (cellrunner.servers numbers them so)
+            others = [u for u in channel.gather_strings(own.url)[1:] if u]
         return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                             cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir,
-                            node_rank=node, dist_init_addr=addr, api_key=api_key)
+                            api_key=api_key, process=own, other_servers=others,
+                            log_paths=[server_log_path(cfg.log_dir, cell_id, k, 0) for k in range(1, 1 + len(others))])
     return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                           cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed,
                           prefix_cache_bytes=cfg.engine.prefix_cache_bytes,
                           prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens, api_key=api_key)
 
 
-def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, api_key: str = "") -> Any:
-    """A follower's share of serving: another node's part of a multi-node SGLang server (its
-    local rank 0 runs it), else nothing."""
-    if isinstance(cfg.engine, SGLangConfig) and cfg.engine.nnodes > 1 and ranks.local_rank == 0 and ranks.node_rank > 0:
-        return make_engine(cfg, vocab_size, cell_id, ranks, api_key)
-    return None
+def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, api_key: str = "",
+                     channel: CommandChannel | None = None) -> Any:
+    """A follower's share of serving, started: its part of one of the cell's SGLang servers
+    (``serving_part``), else None. Collective with the leader's ``make_engine`` (every rank of a
+    multi-rank SGLang cell calls one of the two, in the same place)."""
+    if not isinstance(cfg.engine, SGLangConfig):
+        return None
+    assert channel is not None, "a multi-rank cell's servers are placed over its command channel"
+    hosts = channel.gather_strings(cfg.host)
+    part = serving_part(cfg, ranks)
+    proc = _part_process(cfg, vocab_size, cell_id, ranks, part, hosts, api_key) if part is not None else None
+    if proc is not None:
+        proc.start()  # the leader waits for every server's health
+    channel.gather_strings(proc.url if proc is not None and proc.serves_http else "")
+    return proc
 
 
 def serving_dtype(cfg: CellRunnerConfig) -> WeightsDtype:

@@ -164,7 +164,7 @@ class MegatronConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SGLangConfig:
-    """Typed mirror of conf/engine/sglang.yaml: one SGLang server per cell."""
+    """Typed mirror of conf/engine/sglang.yaml: a cell's SGLang servers (``cellrunner.servers``)."""
 
     kind: Literal["sglang"]
     python: str
@@ -173,7 +173,8 @@ class SGLangConfig:
     dp_size: int
     ep_size: int
     nnodes: int
-    """Nodes one server spans; node ranks and the rendezvous host come from the launcher."""
+    """Nodes one server spans (a cell runs as many servers as fit it); node ranks come from the
+    launcher, the rendezvous host is the server's first node."""
     dist_init_port: int
     mem_fraction_static: float
     dtype: Literal["bfloat16", "float16", "float32"]

@@ -1,17 +1,24 @@
-"""The cellrunner's side of ``engine=sglang``: one SGLang server per cell, driven over HTTP.
+"""The cellrunner's side of ``engine=sglang``: a cell's SGLang servers, driven over HTTP.
 
 Same lifecycle as ``cellrunner.engine.EmbeddedEngine`` (start / resume / update_weights / drain /
 release / stop, ``url``, ``weight_version``, ``num_running``), so ``cellrunner.main`` swaps one for
-the other; the proxy talks to the server's native API exactly as to the embedded engine (token
+the other; the proxy talks to each server's native API exactly as to the embedded engine (token
 ids in, token ids and log-probs out: ``--skip-tokenizer-init``).
 
-- Start: ``python -m sglang.launch_server`` with tp/dp/ep and, on several nodes, SGLang's own
-  ``--nnodes/--node-rank/--dist-init-addr`` (each node's cellrunner starts its rank; only node 0
-  serves HTTP). ``--enable-memory-saver`` so the cell can hand its GPU memory to the trainer;
+- Servers: a cell runs as many independent servers as its layout gives (``cellrunner.servers``:
+  SGLang refuses DP across nodes, so a 48-node cell at TP 8 is 48 servers). ``SGLangProcess`` is
+  one node's part of one server, started by the rank the placement names; ``SGLangServer`` is
+  one server's admin API; ``SGLangEngine``, on the cell's leader, starts server 0 and sends every
+  switch to all servers at once, raising one error that names each server that failed.
+- Start: ``python -m sglang.launch_server`` with tp/dp/ep, ``--base-gpu-id`` for a server that
+  is not its node's first, and, on several nodes, SGLang's own ``--nnodes/--node-rank/--dist-init-addr``
+  (each node's part is started by a rank there; only the server's first node serves HTTP, the
+  others a health check). ``--enable-memory-saver`` so the cell can hand its GPU memory to the trainer;
   ``--load-format dummy`` unless an HF checkpoint is given, because the first ``resume`` loads
   the real weights anyway. Healthy = ``GET /health`` answers 200 (a one-token probe).
 - Weights: ``POST /update_weights_from_disk`` from a tmpfs folder (``weight_dir``, /dev/shm),
-  written as safetensors in the serving dtype. Chosen over the other endpoints because it needs
+  written once by the leader as safetensors in the serving dtype and loaded by every server (a
+  cell over several nodes needs ``weight_dir`` on a shared file system). Chosen over the other endpoints because it needs
   no pickle (``/update_weights_from_tensor`` takes MultiprocessingSerializer payloads, which
   are pickles of CUDA-IPC handles), no second NCCL group in the cellrunner
   (``/update_weights_from_distributed``), and works for any TP/DP/EP layout of the server, which
@@ -46,7 +53,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -66,15 +74,15 @@ RUNNING_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
 ABORTED_COUNTER = "sglang:num_aborted_requests_total"
 WEIGHTS_LOAD_FORMAT = "safetensors"
 """What ``write_weights`` writes, as SGLang's ``LoadFormat`` names it (srt/configs/load_config.py)."""
+MAX_PARALLEL = 64
+"""At most this many servers are driven at once (a 48-node cell at TP 8 runs 48)."""
 FLUSH_BACKOFF_MAX_S = 2.0
 """The longest wait between two ``/flush_cache`` tries (it starts at ``poll_interval_s``, doubling)."""
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class SGLangError(BackendUnavailable):
-    """The SGLang server failed to start, died, or answered an admin call badly."""
-
-
+    """An SGLang server failed to start, died, or answered an admin call badly."""
 
 
 _LAUNCH_WITH_KEY = (
@@ -89,7 +97,7 @@ user can read. Plain Python, so it needs nothing of Gyre in the SGLang environme
 
 def launch_command(
     cfg: SGLangConfig, *, model_path: str, host: str, port: int, max_running: int, seed: int,
-    dummy_weights: bool, node_rank: int = 0, dist_init_addr: str = "",
+    dummy_weights: bool, node_rank: int = 0, dist_init_addr: str = "", base_gpu_id: int = 0,
 ) -> list[str]:
     """The ``sglang.launch_server`` argv for one node of a cell's server (its API key, if any,
     comes from ``engine_key.ENV`` in the server's environment)."""
@@ -97,6 +105,8 @@ def launch_command(
         raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
     if not 0 <= node_rank < cfg.nnodes:
         raise ValueError(f"node_rank {node_rank}: want 0..{cfg.nnodes - 1}")
+    if base_gpu_id < 0:
+        raise ValueError(f"base_gpu_id {base_gpu_id}: want >= 0")
     cmd = [
         cfg.python or sys.executable, "-c", _LAUNCH_WITH_KEY,
         "--model-path", model_path, "--host", host, "--port", str(port),
@@ -118,6 +128,8 @@ def launch_command(
         cmd += ["--load-format", "dummy"]
     if cfg.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
+    if base_gpu_id:  # one of several servers on this node (cellrunner.servers)
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
     return cmd + list(cfg.extra_args)
@@ -182,185 +194,104 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class SGLangEngine:
-    """One cell's SGLang server (this node's rank of it). Lifecycle calls block until done."""
+def server_log_path(log_dir: str, cell_id: int, server: int, node_rank: int) -> str:
+    """Where one node's part of a server logs: the same name on every node (a shared log folder
+    lets the leader quote a remote server's last lines when it fails to start)."""
+    return os.path.join(log_dir, f"sglang-cell{cell_id}-server{server}-node{node_rank}.log")
+
+
+class SGLangProcess:
+    """One node's part of one server: ``sglang.launch_server`` in a session of its own, started by
+    the rank that ``cellrunner.servers`` gives it. Its port is picked here, so its URL is known
+    (and can be gathered by the leader) before it starts."""
 
     def __init__(
         self, cfg: SGLangConfig, *, model_cfg: ModelConfig, vocab_size: int, host: str, port: int, cell_id: int,
-        max_running: int, seed: int, log_dir: str, node_rank: int = 0, dist_init_addr: str = "",
-        api_key: str = "",
+        max_running: int, seed: int, log_dir: str, server: int = 0, node_rank: int = 0, base_gpu_id: int = 0,
+        dist_init_addr: str = "", api_key: str = "",
     ) -> None:
-        """``api_key``: SGLang's --api-key (given through its environment), sent on every call."""
         self.cfg = cfg
         self._model_cfg, self._vocab_size = model_cfg, vocab_size
-        self._host, self._port = host, port
         self._cell_id, self._max_running, self._seed = cell_id, max_running, seed
-        self._log_dir, self._node_rank, self._dist_init_addr = log_dir, node_rank, dist_init_addr
-        self._proc: subprocess.Popen | None = None
+        self.server, self.node_rank, self.base_gpu_id = server, node_rank, base_gpu_id
+        self.dist_init_addr = dist_init_addr
         self._api_key = api_key
+        self.proc: subprocess.Popen | None = None
         self._log_file: Any = None
-        self._lifecycle = threading.Lock()
-        self._version: int | None = None
-        self._released = False
-        self._paused = False
-        self._weights_path = ""
-        self._cell_dir = os.path.join(cfg.weight_dir, f"cell{cell_id}")  # this engine's tmpfs files
-        self._config_json = model_config_json(model_cfg, vocab_size, cfg.dtype)
-        self.url = ""
-
-    @property
-    def weight_version(self) -> int | None:
-        return self._version
+        self.log_path = server_log_path(log_dir, cell_id, server, node_rank)
+        # Each part writes its own start-up folder: on a shared weight_dir, parts of other servers
+        # write theirs at the same moment.
+        self._init_dir = os.path.join(cfg.weight_dir, f"cell{cell_id}", f"init-s{server}-n{node_rank}")
+        self.url = f"http://{host}:{port or _free_port(host)}"
+        self._host, self._port = host, int(self.url.rsplit(":", 1)[1])
 
     @property
     def serves_http(self) -> bool:
-        return self._node_rank == 0
-
-    # ------------------------------------------------------------ lifecycle
+        return self.node_rank == 0
 
     def start(self) -> None:
-        port = self._port or _free_port(self._host)
+        """Start the process and return (the leader waits for every server's health)."""
         model_path = self._model_cfg.path or self._write_model_dir()
         cmd = launch_command(
-            self.cfg, model_path=model_path, host=self._host, port=port, max_running=self._max_running,
-            seed=self._seed, dummy_weights=not self._model_cfg.path, node_rank=self._node_rank,
-            dist_init_addr=self._dist_init_addr,
+            self.cfg, model_path=model_path, host=self._host, port=self._port, max_running=self._max_running,
+            seed=self._seed, dummy_weights=not self._model_cfg.path, node_rank=self.node_rank,
+            dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
         )
-        os.makedirs(self._log_dir, exist_ok=True)
-        log_path = os.path.join(self._log_dir, f"sglang-cell{self._cell_id}-node{self._node_rank}.log")
-        self._log_file = open(log_path, "ab")
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
         # Its own session, so stop() can end the server and every scheduler it forked together.
         env = {**os.environ, engine_key.ENV: self._api_key}
-        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env=env)
-        self.url = f"http://{self._host}:{port}"
-        log.info("sglang cell=%s node=%s: %s", self._cell_id, self._node_rank, " ".join(cmd))
-        if self.serves_http:
-            self._wait_healthy(log_path)
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+        log.info("sglang cell=%s server=%s node=%s: %s", self._cell_id, self.server, self.node_rank, " ".join(cmd))
 
-    def resume(self, weights: FlatWeights) -> None:
-        if not self.serves_http:
-            return  # node 0 drives the whole server
-        with self._lifecycle:
-            if self._version is not None and not self._released:
-                raise RuntimeError("resume: a model is already loaded; use update_weights, or release first")
-            if self._released:
-                self._post("/resume_memory_occupation", {"tags": ["weights"]}, want_json=False)
-            self._load(weights)
-            if self._released:
-                self._post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}, want_json=False)
-                self._released = False
-            if self._paused:
-                self._post("/continue_generation", {})
-                self._paused = False
-        log.info("sglang cell=%s serving weight_version=%s", self._cell_id, weights.version)
-
-    def update_weights(self, weights: FlatWeights) -> None:
-        if not self.serves_http:
-            return
-        with self._lifecycle:
-            if self._released:
-                raise RuntimeError("update_weights: the engine is released; resume it")
-            self._load(weights)
-
-    def drain(self, timeout_s: float) -> int:
-        """Let running calls finish for up to ``timeout_s``, abort the rest (they answer 200 with
-        their partial output); return how many were aborted."""
-        if not self.serves_http or self._released:
-            return 0
-        with self._lifecycle:
-            aborted_before = self._aborted_total()
-            deadline = time.monotonic() + timeout_s
-            while self._load_now() and time.monotonic() < deadline:
-                time.sleep(self.cfg.poll_interval_s)
-            if self._load_now():
-                self._post("/abort_request", {"abort_all": True}, want_json=False)
-                settle = time.monotonic() + ABORT_SETTLE_S
-                while self._load_now() and time.monotonic() < settle:
-                    time.sleep(self.cfg.poll_interval_s)
-            return max(0, int(self._aborted_total() - aborted_before))
-
-    def release(self) -> None:
-        """Stop serving and free the GPU memory (weights, KV cache, CUDA graphs)."""
-        if not self.serves_http or self._released:
-            return
-        with self._lifecycle:
-            # Abort mode: nothing keeps running (release needs an idle server); new calls wait.
-            self._post("/pause_generation", {"mode": "abort"})
-            self._paused = True
-            self._wait_idle()
-            self._post("/release_memory_occupation", {}, want_json=False)
-            self._released = True
-            self._version = None
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> None:
-        with self._lifecycle:
-            proc, self._proc = self._proc, None
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(STOP_GRACE_S)
-            if self._log_file is not None:
-                self._log_file.close()
-                self._log_file = None
-            shutil.rmtree(self._cell_dir, ignore_errors=True)
-            self._weights_path = ""
-
-    def num_running(self) -> int:
-        """Running + queued requests on the server, for heartbeats: 0 when it is released, not
-        node 0, or its metrics cannot be read (logged; a heartbeat must not kill the cell)."""
-        if not self.serves_http or self._released or self._proc is None:
-            return 0
-        try:
-            return self._load_now()
-        except SGLangError as exc:
-            log.warning("sglang cell=%s: load unknown: %s", self._cell_id, exc)
-            return 0
-
-    def _load_now(self) -> int:
-        return int(parse_metrics(self._get_text("/metrics"), RUNNING_GAUGES))
-
-    # ------------------------------------------------------------ internals
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(STOP_GRACE_S)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        shutil.rmtree(self._init_dir, ignore_errors=True)
 
     def _write_model_dir(self) -> str:
-        path = os.path.join(self._cell_dir, "init")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(self._config_json, f)
-        return path
+        os.makedirs(self._init_dir, exist_ok=True)
+        with open(os.path.join(self._init_dir, "config.json"), "w") as f:
+            json.dump(model_config_json(self._model_cfg, self._vocab_size, self.cfg.dtype), f)
+        return self._init_dir
 
-    def _load(self, weights: FlatWeights) -> None:
-        """Write the version to tmpfs, have the server load it, drop the previous version's files."""
-        path = os.path.join(self._cell_dir, f"v{weights.version}")
-        write_weights(weights, path, dtype=_DTYPES[self.cfg.dtype], config_json=self._config_json)
-        if self._paused:
-            # Switching back to serve: nothing may be left in the scheduler, or the update's own
-            # flush fails it. While serving, the update waits for running calls (SGLang's
-            # model-update lock) and flushes itself; live traffic would keep /flush_cache at 400.
-            self._wait_idle()
-        reply = self._post("/update_weights_from_disk", {
-            "model_path": path, "load_format": WEIGHTS_LOAD_FORMAT, "weight_version": str(weights.version),
-            "flush_cache": True, "abort_all_requests": False,
-        })
-        if reply.get("success") is not True:
-            raise SGLangError(f"/update_weights_from_disk: {reply.get('message')!r}")
-        if self._weights_path and self._weights_path != path:
-            shutil.rmtree(self._weights_path, ignore_errors=True)
-        self._weights_path = path
-        self._version = weights.version
 
-    def _aborted_total(self) -> float:
-        return parse_metrics(self._get_text("/metrics"), (ABORTED_COUNTER,))
+class SGLangServer:
+    """One server's admin API, driven over HTTP by the cell's leader wherever the server runs.
+    Holds what the leader knows of it: the version it serves, released, paused."""
 
-    def _wait_healthy(self, log_path: str) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+    def __init__(self, cfg: SGLangConfig, url: str, *, index: int, api_key: str = "", log_path: str = "") -> None:
+        self.cfg, self.url, self.index = cfg, url, index
+        self.api_key, self.log_path = api_key, log_path
+        self.version: int | None = None
+        self.released = False
+        self.paused = False
+
+    @property
+    def name(self) -> str:
+        return f"server {self.index} ({self.url})"
+
+    def wait_healthy(self, deadline: float, proc: SGLangProcess | None = None) -> None:
+        """``GET /health`` until 200; SGLangError (with the log's last lines) when the process
+        exits or ``deadline`` (monotonic) passes."""
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise SGLangError(f"sglang exited with {self._proc.returncode} while starting; "
-                                  f"last log lines:\n{_tail(log_path)}")
+            code = proc.exit_code() if proc is not None else None
+            if code is not None:
+                raise SGLangError(f"{self.name}: sglang exited with {code} while starting; "
+                                  f"last log lines:\n{_tail(self.log_path)}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=self.cfg.request_timeout_s) as r:
                     if r.status == 200:
@@ -368,10 +299,77 @@ class SGLangEngine:
             except (urllib.error.URLError, OSError):
                 pass  # not listening yet, or 503 while it loads
             time.sleep(self.cfg.poll_interval_s)
-        self.stop()
-        raise SGLangError(f"sglang not healthy after {self.cfg.startup_timeout_s}s; last log lines:\n{_tail(log_path)}")
+        raise SGLangError(f"{self.name}: not healthy after {self.cfg.startup_timeout_s}s; last log lines "
+                          f"({self.log_path}):\n{_tail(self.log_path)}")
 
-    def _wait_idle(self) -> None:
+    # ------------------------------------------------------------ one switch, on this server
+
+    def resume(self, path: str, version: int) -> None:
+        if self.version is not None and not self.released:
+            raise RuntimeError(f"resume: a model is already loaded on {self.name}; use update_weights, or release first")
+        if self.released:
+            self.post("/resume_memory_occupation", {"tags": ["weights"]}, want_json=False)
+        self.load(path, version)
+        if self.released:
+            self.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}, want_json=False)
+            self.released = False
+        if self.paused:
+            self.post("/continue_generation", {})
+            self.paused = False
+
+    def update(self, path: str, version: int) -> None:
+        if self.released:
+            raise RuntimeError(f"update_weights: {self.name} is released; resume it")
+        self.load(path, version)
+
+    def load(self, path: str, version: int) -> None:
+        if self.paused:
+            # Switching back to serve: nothing may be left in the scheduler, or the update's own
+            # flush fails it. While serving, the update waits for running calls (SGLang's
+            # model-update lock) and flushes itself; live traffic would keep /flush_cache at 400.
+            self.wait_idle()
+        reply = self.post("/update_weights_from_disk", {
+            "model_path": path, "load_format": WEIGHTS_LOAD_FORMAT, "weight_version": str(version),
+            "flush_cache": True, "abort_all_requests": False,
+        })
+        if reply.get("success") is not True:
+            raise SGLangError(f"{self.name}: /update_weights_from_disk: {reply.get('message')!r}")
+        self.version = version
+
+    def drain(self, timeout_s: float, poll_s: float) -> int:
+        if self.released:
+            return 0
+        aborted_before = self.aborted_total()
+        deadline = time.monotonic() + timeout_s
+        while self.load_now() and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        if self.load_now():
+            self.post("/abort_request", {"abort_all": True}, want_json=False)
+            settle = time.monotonic() + ABORT_SETTLE_S
+            while self.load_now() and time.monotonic() < settle:
+                time.sleep(poll_s)
+        return max(0, int(self.aborted_total() - aborted_before))
+
+    def release(self) -> None:
+        if self.released:
+            return
+        # Abort mode: nothing keeps running (release needs an idle server); new calls wait.
+        self.post("/pause_generation", {"mode": "abort"})
+        self.paused = True
+        self.wait_idle()
+        self.post("/release_memory_occupation", {}, want_json=False)
+        self.released = True
+        self.version = None
+
+    # ------------------------------------------------------------ HTTP
+
+    def load_now(self) -> int:
+        return int(parse_metrics(self.get_text("/metrics"), RUNNING_GAUGES))
+
+    def aborted_total(self) -> float:
+        return parse_metrics(self.get_text("/metrics"), (ABORTED_COUNTER,))
+
+    def wait_idle(self) -> None:
         """``/flush_cache`` until it answers 200: SGLang flushes only an idle scheduler and answers
         400 while requests run or wait (slime retries it the same way). Retried with doubling
         waits up to ``FLUSH_BACKOFF_MAX_S``; ``SGLangError`` after ``cfg.flush_cache_timeout_s``."""
@@ -379,63 +377,211 @@ class SGLangEngine:
         delay, last = self.cfg.poll_interval_s, ""
         while True:
             req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST",
-                                         headers=engine_key.headers(self._api_key))
+                                         headers=engine_key.headers(self.api_key))
             try:
                 with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s):
                     return
             except urllib.error.HTTPError as e:
                 last = e.read()[:200].decode(errors="replace").strip()
                 if e.code != 400:
-                    raise SGLangError(f"/flush_cache: HTTP {e.code}: {last}") from None
+                    raise SGLangError(f"{self.name}: /flush_cache: HTTP {e.code}: {last}") from None
             except (urllib.error.URLError, OSError) as e:
-                raise SGLangError(f"/flush_cache: {e}") from None
+                raise SGLangError(f"{self.name}: /flush_cache: {e}") from None
             if time.monotonic() + delay > deadline:
-                raise SGLangError(f"/flush_cache: scheduler not idle after {self.cfg.flush_cache_timeout_s}s "
-                                  f"(requests still running or waiting); last reply: {last!r}")
+                raise SGLangError(f"{self.name}: /flush_cache: scheduler not idle after "
+                                  f"{self.cfg.flush_cache_timeout_s}s (requests still running or waiting); "
+                                  f"last reply: {last!r}")
             time.sleep(delay)
             delay = min(2 * delay, FLUSH_BACKOFF_MAX_S)
 
-    def _post(self, path: str, body: dict, *, want_json: bool = True) -> dict:
+    def post(self, path: str, body: dict, *, want_json: bool = True) -> dict:
         """POST JSON; return the JSON object reply. ``want_json=False``: an empty body or ``null``
         is success, ``{}`` (release/resume return nothing, which FastAPI sends as ``200 null``;
         abort sends an empty 200); a JSON object is still checked for an error."""
         data = json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **engine_key.headers(self._api_key)})
+                                     headers={"Content-Type": "application/json", **engine_key.headers(self.api_key)})
+        where = f"{self.name}: {path}"
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:500].decode(errors="replace")
-            raise SGLangError(f"{path}: HTTP {e.code}: {detail}") from None
+            raise SGLangError(f"{where}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise SGLangError(f"{path}: {e}") from None
+            raise SGLangError(f"{where}: {e}") from None
         if not raw.strip():
             if want_json:
-                raise SGLangError(f"{path}: want a JSON object, got empty reply")
+                raise SGLangError(f"{where}: want a JSON object, got empty reply")
             return {}
         try:
             reply = json.loads(raw)
         except ValueError:
-            raise SGLangError(f"{path}: reply is not JSON: {raw[:200]!r}") from None
+            raise SGLangError(f"{where}: reply is not JSON: {raw[:200]!r}") from None
         if reply is None and not want_json:
             return {}
         if not isinstance(reply, dict):
             got = "null" if reply is None else type(reply).__name__
-            raise SGLangError(f"{path}: want a JSON object, got {got}")
+            raise SGLangError(f"{where}: want a JSON object, got {got}")
         if reply.get("success") is False or "error" in reply or reply.get("status") == "error":
-            raise SGLangError(f"{path}: {reply.get('message') or reply.get('error')!r}")
+            raise SGLangError(f"{where}: {reply.get('message') or reply.get('error')!r}")
         return reply
 
-    def _get_text(self, path: str) -> str:
+    def get_text(self, path: str) -> str:
         try:
-            req = urllib.request.Request(self.url + path, headers=engine_key.headers(self._api_key))
+            req = urllib.request.Request(self.url + path, headers=engine_key.headers(self.api_key))
             with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
                 return r.read().decode()
         except urllib.error.HTTPError as e:
-            raise SGLangError(f"{path}: HTTP {e.code}") from None
+            raise SGLangError(f"{self.name}: {path}: HTTP {e.code}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise SGLangError(f"{path}: {e}") from None
+            raise SGLangError(f"{self.name}: {path}: {e}") from None
+
+
+class SGLangEngine:
+    """A cell's serving, on its leader: server 0's first node part (this process starts it) and
+    every server of the cell, driven over HTTP. Each switch goes to all servers at once; one that
+    fails is named in the ``SGLangError`` the switch raises, after the others have finished theirs.
+    Lifecycle calls block until done."""
+
+    def __init__(
+        self, cfg: SGLangConfig, *, model_cfg: ModelConfig, vocab_size: int, host: str, port: int, cell_id: int,
+        max_running: int, seed: int, log_dir: str, dist_init_addr: str = "", api_key: str = "",
+        process: SGLangProcess | None = None, other_servers: Sequence[str] = (), log_paths: Sequence[str] = (),
+    ) -> None:
+        """``process``: server 0's first part, when the caller placed it (else made from the
+        arguments); ``other_servers``: the HTTP URLs of the cell's servers 1.. (started by other
+        ranks), ``log_paths`` theirs (quoted when one fails to start)."""
+        self.cfg = cfg
+        self._cell_id = cell_id
+        self.process = process or SGLangProcess(
+            cfg, model_cfg=model_cfg, vocab_size=vocab_size, host=host, port=port, cell_id=cell_id,
+            max_running=max_running, seed=seed, log_dir=log_dir, dist_init_addr=dist_init_addr, api_key=api_key)
+        urls = [self.process.url, *other_servers]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"the cell's servers must have distinct URLs, got {urls}")
+        paths = [self.process.log_path, *log_paths, *[""] * len(urls)]
+        self.servers = [SGLangServer(cfg, u, index=i, api_key=api_key, log_path=paths[i]) for i, u in enumerate(urls)]
+        self._lifecycle = threading.Lock()
+        self._cell_dir = os.path.join(cfg.weight_dir, f"cell{cell_id}")  # this cell's weight files
+        self._config_json = model_config_json(model_cfg, vocab_size, cfg.dtype)
+        self._weights_path = ""
+        self._unreachable: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=min(len(self.servers), MAX_PARALLEL), thread_name_prefix="sglang")
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server's URL, server 0 (this node's) first."""
+        return [s.url for s in self.servers]
+
+    @property
+    def weight_version(self) -> int | None:
+        """The oldest version a server serves (the lower bound the routing table promises; a
+        server that failed an update keeps its last); None while any serves none (released)."""
+        versions = [s.version for s in self.servers]
+        return None if None in versions else min(versions)  # type: ignore[type-var]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.process.start()
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        try:
+            self._each("start", lambda s: s.wait_healthy(deadline, self.process if s.index == 0 else None))
+        except SGLangError:
+            self.stop()
+            raise
+
+    def resume(self, weights: FlatWeights) -> None:
+        with self._lifecycle:
+            path = self._write(weights)
+            self._each("resume", lambda s: s.resume(path, weights.version))
+            self._drop_old(path)
+        log.info("sglang cell=%s: %d server(s) serving weight_version=%s", self._cell_id, len(self.servers),
+                 weights.version)
+
+    def update_weights(self, weights: FlatWeights) -> None:
+        with self._lifecycle:
+            released = [s.name for s in self.servers if s.released]
+            if released:
+                raise RuntimeError(f"update_weights: {', '.join(released)} released; resume the engine")
+            path = self._write(weights)
+            self._each("update_weights", lambda s: s.update(path, weights.version))
+            self._drop_old(path)
+
+    def drain(self, timeout_s: float) -> int:
+        """Let running calls finish for up to ``timeout_s``, abort the rest (they answer 200 with
+        their partial output); return how many were aborted, over all servers."""
+        with self._lifecycle:
+            return sum(self._each("drain", lambda s: s.drain(timeout_s, self.cfg.poll_interval_s)))
+
+    def release(self) -> None:
+        """Stop serving and free the GPU memory (weights, KV cache, CUDA graphs) of every server."""
+        with self._lifecycle:
+            self._each("release", lambda s: s.release())
+
+    def stop(self) -> None:
+        with self._lifecycle:
+            self.process.stop()
+            shutil.rmtree(self._cell_dir, ignore_errors=True)
+            self._weights_path = ""
+        self._pool.shutdown(wait=False)
+
+    def num_running(self) -> int:
+        """Running + queued requests over the servers, for heartbeats. A released server counts 0;
+        one whose metrics cannot be read counts 0 and is logged once until it answers again (a
+        heartbeat must not kill the cell)."""
+        def load(s: SGLangServer) -> int:
+            if s.released:
+                return 0
+            try:
+                n = s.load_now()
+            except SGLangError as exc:
+                if s.url not in self._unreachable:
+                    log.warning("sglang cell=%s: load unknown: %s", self._cell_id, exc)
+                self._unreachable.add(s.url)
+                return 0
+            if s.url in self._unreachable:
+                log.info("sglang cell=%s: %s answers again", self._cell_id, s.name)
+                self._unreachable.discard(s.url)
+            return n
+
+        if self.process.proc is None:
+            return 0
+        return sum(self._pool.map(load, self.servers))
+
+    # ------------------------------------------------------------ internals
+
+    def _each(self, what: str, fn: Callable[[SGLangServer], Any]) -> list[Any]:
+        """``fn`` on every server at once; every server finishes its own before a failure is
+        raised, naming each server that failed (so none is left half-way without a word)."""
+        futures = [self._pool.submit(fn, s) for s in self.servers]
+        results, failed = [], []
+        for s, fut in zip(self.servers, futures):
+            try:
+                results.append(fut.result())
+            except Exception as exc:  # every failure is reported below, none dropped
+                failed.append((s, exc))
+        if failed:
+            lines = "; ".join(str(exc) if s.name in str(exc) else f"{s.name}: {exc}" for s, exc in failed)
+            kind = RuntimeError if all(isinstance(e, RuntimeError) and not isinstance(e, SGLangError)
+                                       for _, e in failed) else SGLangError
+            raise kind(f"{what}: {len(failed)} of {len(self.servers)} server(s) failed: {lines}")
+        return results
+
+    def _write(self, weights: FlatWeights) -> str:
+        """The version as an HF folder every server loads (one write, whatever the number of servers)."""
+        path = os.path.join(self._cell_dir, f"v{weights.version}")
+        return write_weights(weights, path, dtype=_DTYPES[self.cfg.dtype], config_json=self._config_json)
+
+    def _drop_old(self, path: str) -> None:
+        if self._weights_path and self._weights_path != path:
+            shutil.rmtree(self._weights_path, ignore_errors=True)
+        self._weights_path = path
 
 
 def _tail(path: str, lines: int = 30) -> str:

@@ -2,9 +2,10 @@
 
 A follower never talks to the controller. It joins the cell's process group (the trainer's
 constructor does, ``env://`` from ``cellrunner.ranks``), opens the command channel, and runs
-``spmd_trainer.follow`` until the leader says ``exit``. On a node other than the leader's, local
-rank 0 also runs that node's part of the cell's SGLang server (``--node-rank``): SGLang drives
-all nodes from node 0's HTTP API, so nothing else is asked of it.
+``spmd_trainer.follow`` until the leader says ``exit``. The rank of a server's first GPU on a
+node runs its part of one of the cell's SGLang servers
+(``cellrunner.servers``: a whole server, or a node of one spanning several, ``--node-rank``); the
+leader drives every server over HTTP, so nothing else is asked of it.
 
 Stopping: srun and the local launcher signal every rank of a cell at once, but the leader's
 graceful stop still needs its followers (the core's final checkpoint is a collective). So SIGTERM
@@ -63,17 +64,20 @@ def stop_on_signal(on_stop: Any, done: threading.Event, grace_s: float = GRACE_S
 
 
 def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int, api_key: str = "") -> None:
-    engine = make_node_engine(cfg, vocab_size, cell_id, ranks, api_key)
     done = threading.Event()
-    stop_on_signal(lambda: engine.stop() if engine is not None else None, done)
+    serving: list[Any] = []  # this rank's part of a server, once started
+    stop_on_signal(lambda: [p.stop() for p in serving], done)
     is_core = cell_id == cfg.core_cell
     trainer = make_trainer(cfg, vocab_size, is_core=is_core)
     channel = CommandChannel(timeout_s=cfg.trainer.command_timeout_s)  # a multi-rank cell is Megatron
     # The core's ranks each take their peers' gradients and publish their own shards; the
     # leader tells the controller where (the same collective calls as its own).
     links, _, _ = make_rank_links(cfg, zmq.Context.instance(), ranks, is_core, channel)
+    # Then serving, as the leader's make_engine (collective): start this rank's part of one of the
+    # cell's servers, if it has one, and tell the leader its URL.
+    engine = make_node_engine(cfg, vocab_size, cell_id, ranks, api_key, channel)
     if engine is not None:
-        engine.start()
+        serving.append(engine)
     log.info("cell %d: rank %d of %d (node %d, local rank %d) follows rank 0", cell_id, ranks.rank,
              ranks.world_size, ranks.node_rank, ranks.local_rank)
     try:

@@ -157,6 +157,7 @@ class CellRunner:
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
             # check_ranks: a multi-rank cell is trainer=megatron, whose config has the timeout
+        channel = None
             channel = CommandChannel(timeout_s=self.cfg.trainer.command_timeout_s)
             links, inboxes, shards = make_rank_links(cfg, self.ctx, ranks, self.is_core, channel)
             self.trainer = LeaderTrainer(self.trainer, channel, links)
@@ -168,7 +169,9 @@ class CellRunner:
         """The core's ranks' gradient inboxes (ours on the core; the controller's word elsewhere)."""
         self.core_rank_weights_addrs = shards if self.is_core else []
         """A multi-rank core's ranks' own shards, which a multi-rank satellite pulls to train."""
-        self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks, engine_api_key)
+        # Collective with the followers' make_node_engine: they start their parts of the cell's
+        # servers, and the engine learns every server's URL.
+        self.engine = make_engine(cfg, self.vocab_size, cell_id, self.ranks, engine_api_key, channel)
         self.core_weights_addr = ""
         self.weight_server: WeightPublisher | None = None
         self.weight_puller: WeightPuller | None = None
@@ -203,7 +206,8 @@ class CellRunner:
         self.engine.resume(initial)
         self.phase = "serving"
         self.send(wire.CellReady(
-            cell_id=self.cell_id, engine_url=self.engine.url, weights_addr=self.core_weights_addr,
+            cell_id=self.cell_id, engine_url=self.engine.url, engine_urls=self.engine_urls(),
+            weights_addr=self.core_weights_addr,
             grads_addrs=self.core_grads_addrs, is_core=self.is_core, weight_version=initial.version,
             rank_weights_addrs=self.core_rank_weights_addrs, weights_digest=weights_digest(initial),
         ))
@@ -385,6 +389,10 @@ class CellRunner:
         if self.phase in ("serving", "draining"):
             return self.engine.weight_version if self.engine.weight_version is not None else -1
         return self.trainer.version
+    def engine_urls(self) -> list[str]:
+        """Every server the cell serves through (the embedded engine is one)."""
+        return list(getattr(self.engine, "urls", [self.engine.url]))
+
 
     def heartbeat_message(self) -> wire.Heartbeat:
         """Built on the link's thread while the cell's may be busy: it reads attributes only."""

@@ -28,6 +28,8 @@ class Cell:
     is_core: bool
     proc: subprocess.Popen | None = None
     engine_url: str = ""
+    engine_urls: list[str] = field(default_factory=list)
+    """Every server the cell serves through, ``engine_url`` first (``wire.CellReady.serving_urls``)."""
     weights_addr: str = ""
     grads_addrs: list[str] = field(default_factory=list)
     """The core's ranks' gradient inboxes, in rank order."""
@@ -82,6 +84,12 @@ class CellRegistry:
 
     def in_phase(self, *phases: CellPhase) -> list[Cell]:
         return [c for c in self.cells.values() if c.phase in phases]
+
+    def routes(self) -> tuple[tuple[int, str, int], ...]:
+        """(cell id, server URL, weight version) of every server of every serving cell: the proxy
+        routes among all of them, a cell's servers alike."""
+        return tuple((c.cell_id, url, c.weight_version) for c in self.in_phase("serving")
+                     for url in (c.engine_urls or [c.engine_url]))
 
     def views(self, busy: set[int]) -> tuple[CellView, ...]:
         return tuple(

@@ -187,6 +187,7 @@ class Controller:
         core = self.cells.cells[c.cluster.core_cell]
         self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
                                             "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()},
+                                            "cell_servers": {i: cell.engine_urls for i, cell in self.cells.cells.items()},
                                             "core_weights": core.weights_addr, "core_grads": core.grads_addrs})
         self.stage = "eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train"
         if self.stage == "eval_start":
@@ -454,11 +455,12 @@ class Controller:
         if cell is None or cell.phase != "starting":
             return
         cell.engine_url, cell.weights_addr, cell.grads_addrs = msg.engine_url, msg.weights_addr, msg.grads_addrs
+        cell.engine_urls = msg.serving_urls()
         cell.rank_weights_addrs = msg.rank_weights_addrs
         cell.weight_version = msg.weight_version
         now = time.monotonic()
         self.metrics.log("cell_ready", t=now - self.t0, cell=cell.cell_id, weight_version=msg.weight_version,
-                         weights_digest=msg.weights_digest)
+                         weights_digest=msg.weights_digest, num_servers=len(cell.engine_urls))
         self._check_same_start(cell.cell_id, msg.weight_version, msg.weights_digest)
         cell.last_seen = now
         cell.phase_since = now
@@ -639,7 +641,7 @@ class Controller:
         """Every serving engine, with the weight version it serves. Which engine may take a call is
         the proxy's per-call check against the floor in the execution's token (step - staleness
         for training, the evaluated version for eval), so no floor is applied here."""
-        routes = tuple((c.cell_id, c.engine_url, c.weight_version) for c in self.cells.in_phase("serving"))
+        routes = self.cells.routes()
         if routes == self.routed or "proxy" not in self.identities:
             return
         self.routed = routes

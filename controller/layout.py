@@ -17,8 +17,11 @@ job) use. The rules, each named in the line that refuses a layout:
   TP x PP and of EP x PP; attention heads and KV heads divide by TP; layers by PP; experts by EP.
 - SGLang 0.5.23 (``arg_groups/validation_hook.py``): ``(tp*pp) % nnodes == 0``; no ``dp_size > 1``
   across nodes; EP lives inside the TP group (``tp % ep == 0``); attention heads divide by TP.
-  Gyre's own placement: a server on several nodes fills them, one on a node divides it; the cell's
-  nodes split into whole servers, so a cell runs ``nodes*gpus / (tp*pp*dp)`` servers.
+  Gyre's own placement (``cellrunner.servers``): a server on several nodes fills them, one on a
+  node divides it; the cell's nodes split into whole servers, so a cell runs ``nodes*gpus /
+  (tp*pp*dp)`` independent servers, each started by the cell's ranks, the proxy routing among
+  them. Several servers need a rank on every node (``trainer=megatron``), and a cell of several
+  nodes a shared ``engine.weight_dir`` (each server loads the versions its leader writes there).
 - Memory per GPU, estimated from the model's shape (the checkpoint's config.json, else the
   published shape of a shipped preset; skipped, and said so, when neither is known): training
   holds bf16 weights, fp32 gradients and fp32 Adam state (master, m, v: 18 bytes a parameter;
@@ -39,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from cellrunner.servers import num_servers
+
 GIB = 1 << 30
 DEFAULT_GPU_MEM_GIB = 80.0
 GPU_MEM_ENV = "GYRE_GPU_MEM_GIB"
@@ -48,6 +53,8 @@ TRAIN_MEM_FRACTION = 0.9
 TRAIN_BYTES_PER_PARAM = {"bfloat16": 2 + 4 + 12, "float32": 4 + 4 + 8}
 """Weights, fp32 gradient buffer, Adam (bf16: fp32 master copy, m, v; float32: m, v)."""
 SERVE_BYTES_PER_PARAM = {"bfloat16": 2, "float16": 2, "float32": 4}
+NODE_LOCAL_DIRS = ("/dev/shm", "/tmp", "/run")
+"""Folders each node has its own of (cellrunner.config.SGLangConfig refuses them for multi-node servers)."""
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
@@ -129,6 +136,7 @@ class LayoutRequest:
     engine_ep: int = 1
     engine_nnodes: int = 1
     engine_dtype: str = "bfloat16"
+    engine_weight_dir: str = ""
     mem_fraction_static: float = 0.9
     context_length: int = 0
     shape: ModelShape | None = None
@@ -164,10 +172,6 @@ def check_layout(req: LayoutRequest) -> Layout:
     engine = _engine_rules(req, broken)
     memory = _memory_rules(req, broken)
     not_built = []
-    if (engine.get("servers_per_cell") or 1) > 1:
-        not_built.append(f"serving: this layout runs {engine['servers_per_cell']} SGLang servers per cell; the "
-                         "cellrunner starts one server spanning the whole cell (engine.nnodes must equal the "
-                         "cell's nodes, cellrunner/backends.py check_ranks), so multi-server cells are not built yet")
     if req.trainer == "megatron" and req.trainer_ep > 1:
         not_built.append("weights: the Megatron trainer does not gather experts over EP ranks for export yet "
                          "(cellrunner/megatron_trainer.py weights(): use EP=1)")
@@ -240,8 +244,19 @@ def _engine_rules(req: LayoutRequest, broken: list) -> dict:
     if req.nodes_per_cell % nnodes:
         broken.append(("gyre.servers_per_cell", f"a cell's {req.nodes_per_cell} nodes do not split into servers "
                        f"of {nnodes} nodes"))
-    cell_gpus = req.nodes_per_cell * req.gpus_per_node
-    servers = cell_gpus // gpus_per_server if cell_gpus % gpus_per_server == 0 else None
+    try:
+        servers: int | None = num_servers(cell_nodes=req.nodes_per_cell, gpus_per_node=req.gpus_per_node,
+                                          server_nodes=nnodes, gpus_per_server=gpus_per_server)
+    except ValueError:
+        servers = None  # refused above, by the rule that names why
+    if servers and servers > 1 and req.trainer != "megatron":
+        broken.append(("gyre.one_process_serving", f"trainer={req.trainer} runs one process per cell, which starts "
+                       f"one SGLang server, and this layout has {servers}: use trainer=megatron (a rank per GPU "
+                       "starts each server) or one server per cell"))
+    if req.nodes_per_cell > 1 and req.engine_weight_dir.startswith(NODE_LOCAL_DIRS):
+        broken.append(("gyre.weight_dir_shared", f"engine.weight_dir={req.engine_weight_dir} is node-local, and the "
+                       f"servers on a cell's other {req.nodes_per_cell - 1} node(s) load each version the leader "
+                       "writes there: set engine.weight_dir to a shared folder"))
     return {"kind": "sglang", "tp": tp, "pp": pp, "dp": dp, "ep": ep, "nnodes": nnodes,
             "gpus_per_server": gpus_per_server, "servers_per_cell": servers,
             "summary": f"sglang {servers} server(s) a cell, each TP{tp} x PP{pp} x DP{dp} on {nnodes} node(s)"}
@@ -330,6 +345,7 @@ def request_from_config(*, model: Mapping[str, Any], trainer: Any, engine: Any, 
     if trainer.kind == "megatron":
         kw |= {"trainer_tp": trainer.tensor_model_parallel_size, "trainer_pp": trainer.pipeline_model_parallel_size,
                "trainer_ep": trainer.expert_model_parallel_size, "params_dtype": trainer.params_dtype}
+               "engine_weight_dir": engine.weight_dir,
     if engine.kind == "sglang":
         kw |= {"engine_tp": engine.tp_size, "engine_pp": engine_pp_of(engine.extra_args), "engine_dp": engine.dp_size,
                "engine_ep": engine.ep_size, "engine_nnodes": engine.nnodes, "engine_dtype": engine.dtype,

@@ -19,6 +19,8 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_CELL_SERVERS = 4096
+"""The most servers one cell may name (a 48-node cell of 8 one-GPU servers a node runs 384)."""
 
 
 class ProtocolError(ValueError):
@@ -93,11 +95,26 @@ class CellReady(Message):
     weights_digest: str = ""
     """``cellrunner.model.weights_digest`` of the weights the cell's engine starts from: every cell
     that starts at one version must start from the same bytes ("" from a cell that did not hash)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Every server the cell serves through, ``engine_url`` first (``cellrunner.servers``: a cell
+    larger than one SGLang server runs several); [] from a cell that names only ``engine_url``."""
+
+    def serving_urls(self) -> list[str]:
+        return list(self.engine_urls) or [self.engine_url]
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, weight_version=self.weight_version)
         if len(self.weights_digest) > 128:
             raise ValueError("weights_digest: over 128 characters")
+        if len(self.engine_urls) > MAX_CELL_SERVERS:
+            raise ValueError(f"engine_urls: {len(self.engine_urls)} servers, over {MAX_CELL_SERVERS}")
+        for i, url in enumerate(self.engine_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine_urls[{i}]: want an http:// URL, got {url!r}")
+        if len(set(self.engine_urls)) != len(self.engine_urls):
+            raise ValueError("engine_urls: a server is named twice")
+        if self.engine_urls and self.engine_urls[0] != self.engine_url:
+            raise ValueError(f"engine_urls[0]: want engine_url {self.engine_url!r} first, got {self.engine_urls[0]!r}")
         _addresses("grads_addrs", self.grads_addrs)
         _addresses("rank_weights_addrs", self.rank_weights_addrs)
         if self.is_core and not self.grads_addrs:

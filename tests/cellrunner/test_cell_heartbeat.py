@@ -61,6 +61,7 @@ def test_a_cell_blocked_in_its_work_keeps_beating(tmp_path: Path, monkeypatch) -
 
     try:
         ident = receive_until(lambda m: isinstance(m, wire.CellReady), 120)
+        assert got[-1][1].engine_urls == [runner.engine.url]  # every server it serves through: its one
         receive_until(lambda m: isinstance(m, wire.Heartbeat), 5)
         assert ident == f"cell-{cell_id}".encode()  # one connection, the identity its Hello named
         sent = time.monotonic()

@@ -184,7 +184,7 @@ def test_lifecycle_against_the_fake_server(tmp_path, fake_sglang):
         # SGLang got the run's key as --api-key, yet no command line shows it (every local user
         # reads /proc/<pid>/cmdline); every admin call below carries it, or the server says 401
         assert rec["argv"][-2:] == ["--api-key", KEY]
-        server = psutil.Process(engine._proc.pid)
+        server = psutil.Process(engine.process.proc.pid)
         assert all(KEY not in " ".join(p.cmdline()) for p in [server, *server.children(recursive=True)])
         with pytest.raises(urllib.error.HTTPError) as refused:
             generate(engine.url, 1, api_key="0" * 64)
@@ -264,7 +264,7 @@ def test_updating_released_weights_is_refused_by_the_server(tmp_path, fake_sglan
         engine.release()
         with pytest.raises(RuntimeError, match="released"):
             engine.update_weights(weights(1))  # refused here before asking the server
-        engine._released = False  # pretend we forgot: the server's 400 comes back as an SGLangError
+        engine.servers[0].released = False  # pretend we forgot: the server's 400 comes back as an SGLangError
         with pytest.raises(SGLangError, match="HTTP 400.*weights are released"):
             engine.update_weights(weights(1))
     finally:
@@ -387,13 +387,13 @@ def test_an_empty_or_null_reply_is_success_only_where_sglang_sends_one(tmp_path,
     engine = make_engine(tmp_path)
     engine.start()
     try:
-        assert engine._post("/release_memory_occupation", {}, want_json=False) == {}
-        assert engine._post("/resume_memory_occupation", {}, want_json=False) == {}
-        assert engine._post("/abort_request", {"abort_all": True}, want_json=False) == {}  # empty 200
+        assert engine.servers[0].post("/release_memory_occupation", {}, want_json=False) == {}
+        assert engine.servers[0].post("/resume_memory_occupation", {}, want_json=False) == {}
+        assert engine.servers[0].post("/abort_request", {"abort_all": True}, want_json=False) == {}  # empty 200
         with pytest.raises(SGLangError, match="/abort_request: want a JSON object, got empty reply"):
-            engine._post("/abort_request", {"abort_all": True})
+            engine.servers[0].post("/abort_request", {"abort_all": True})
         with pytest.raises(SGLangError, match="/resume_memory_occupation: want a JSON object, got null"):
-            engine._post("/resume_memory_occupation", {})
+            engine.servers[0].post("/resume_memory_occupation", {})
     finally:
         engine.stop()
 

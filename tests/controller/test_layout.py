@@ -34,6 +34,20 @@ def test_shipped_preset_at_its_recipe_cells_is_ok(preset, nodes, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rc, out["ok"]) == (0, True), out["why"]
     assert out["engine"]["servers_per_cell"] >= 1 and out["trainer"]["world_size"] == nodes * 8
+    assert not [n for n in out["not_built"] if n.startswith("serving")]  # a cell starts all its servers
+
+
+def test_the_recipes_stack_passes_as_the_recipes_pass_it(capsys):
+    """The sbatch recipes' own STACK (with the shared weight folder they default to) at their cells."""
+    for script, cells in RECIPE_CELLS.items():
+        text = (ROOT / "slurm" / f"{script}.sbatch").read_text()
+        assert 'engine.weight_dir="${GYRE_WEIGHT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/weights-' in text
+        for nodes in cells:
+            rc = layout.main(["qwen3_hf", "--nodes-per-cell", str(nodes), "--gpus-per-node", "8", *STACK[:-1],
+                              f"engine.weight_dir={ROOT}/runs/weights-check"])
+            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            assert (rc, out["not_built"]) == (0, []), out["why"]
+            assert out["engine"]["servers_per_cell"] == nodes * 8  # qwen3_hf: TP1, a server a GPU
 
 
 def base(**kw) -> LayoutRequest:
@@ -58,6 +72,11 @@ def base(**kw) -> LayoutRequest:
     ({"trainer_ep": 8, "trainer_pp": 1}, "memory.train"),
     ({"nodes_per_cell": 7, "trainer": "embedded"}, "gyre.servers_per_cell"),
     ({"ranks_per_node": 1}, "gyre.ranks_per_node"),
+    # servers on a cell's other nodes cannot read the leader's tmpfs
+    ({"engine_weight_dir": "/dev/shm/gyre"}, "gyre.weight_dir_shared"),
+    # one process starts one server: a cell of 48 one-node servers needs a rank on each node
+    ({"trainer": "embedded", "engine_tp": 8, "engine_ep": 8, "engine_nnodes": 1, "mem_fraction_static": 0.9,
+      "shape": PRESET_SHAPES["qwen3_8b"]}, "gyre.one_process_serving"),
 ])
 def test_impossible_layout_is_refused_naming_its_rule(kw, rule):
     result = check_layout(base(**kw))
@@ -69,7 +88,10 @@ def test_the_base_layout_is_ok_and_reports_servers_and_what_is_not_built():
     result = check_layout(base())
     assert result.ok, result.why
     assert result.engine["servers_per_cell"] == 24 and result.trainer["dp"] == 48
-    assert any("one server" in n for n in result.not_built) and "NOT BUILT YET" in result.why
+    assert not [n for n in result.not_built if n.startswith("serving")]  # 24 servers a cell are built
+    one_node = check_layout(base(shape=PRESET_SHAPES["qwen3_8b"], trainer_ep=1, trainer_pp=1, engine_tp=8,
+                                 engine_ep=1, engine_nnodes=1))
+    assert one_node.ok and one_node.engine["servers_per_cell"] == 48 and one_node.not_built == [], one_node.why
 
 
 def test_engine_pipeline_stages_come_from_extra_args():

@@ -83,3 +83,25 @@ def test_random_bodies_for_real_tags(body, tag):
         wire.decode(msgpack.packb([wire.PROTOCOL_VERSION, tag, body]))
     except wire.ProtocolError:
         pass
+
+
+def _ready(**over) -> bytes:
+    body = dict(cell_id=1, engine_url="http://10.0.0.1:30000", weights_addr="", grads_addrs=[], is_core=False)
+    body.update(over)
+    return msgpack.packb([wire.PROTOCOL_VERSION, "cell_ready", body])
+
+
+def test_a_cell_names_all_its_servers_engine_url_first():
+    urls = ["http://10.0.0.1:30000", "http://10.0.0.1:30001", "http://10.0.0.2:30000"]
+    ready = wire.decode(_ready(engine_urls=urls))
+    assert ready.serving_urls() == urls
+    assert wire.decode(_ready()).serving_urls() == ["http://10.0.0.1:30000"]  # a cell that names one
+    for urls, needle in [
+        (["http://10.0.0.1:30000", "tcp://10.0.0.2:1"], r"engine_urls\[1\]: want an http:// URL"),
+        (["http://10.0.0.1:30000", "http://10.0.0.1:30000"], "engine_urls: a server is named twice"),
+        (["http://10.0.0.2:30000", "http://10.0.0.1:30000"], r"engine_urls\[0\]: want engine_url"),
+        ([f"http://h:{i}" for i in range(wire.MAX_CELL_SERVERS + 1)], "engine_urls: 4097 servers"),
+        ([1], r"cell_ready.engine_urls\[0\]: want str"),
+    ]:
+        with pytest.raises(wire.ProtocolError, match=needle):
+            wire.decode(_ready(engine_urls=urls))

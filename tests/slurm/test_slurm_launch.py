@@ -151,6 +151,8 @@ def test_sbatch_scripts_pass_overrides_through(script, nodes, stack, tmp_path):
     assert "cluster.num_cells=4" in command
     assert command[-3 if stack else -2:] == [*model, "scheduler=async", "run.steps=7"]
     assert all(s in command for s in stack) and ("engine=sglang" in command) == bool(stack)
+    # a cell's servers on its other nodes load each version from a folder every node sees
+    assert (f"engine.weight_dir={ROOT}/runs/weights-1" in command) == bool(stack)
 
 
 @pytest.mark.parametrize("script", ["gyre_2p4t.sbatch", "gyre_122b.sbatch"])

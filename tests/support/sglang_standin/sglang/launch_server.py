@@ -12,7 +12,7 @@ ap = argparse.ArgumentParser()
 for flag in ("--model-path", "--host", "--dtype", "--load-format", "--dist-init-addr"):
     ap.add_argument(flag, required=flag in ("--model-path", "--host"))
 for flag in ("--port", "--tp-size", "--dp-size", "--ep-size", "--max-running-requests", "--random-seed",
-             "--context-length", "--nnodes", "--node-rank"):
+             "--context-length", "--nnodes", "--node-rank", "--base-gpu-id"):
     ap.add_argument(flag, type=int)
 ap.add_argument("--mem-fraction-static", type=float)
 ap.add_argument("--api-key")
@@ -21,7 +21,8 @@ for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-metrics
     ap.add_argument(flag, action="store_true")
 args = ap.parse_args()  # an unknown flag exits 2, as SGLang's argparse does
 LOAD_FORMAT = args.load_format or "auto"  # sglang/srt/server_args.py: load_format defaults to "auto"
-RECORD = os.environ["FAKE_SGLANG_RECORD"]
+# One record a server: "{port}" in the path names this one's (a cell may start several).
+RECORD = os.environ["FAKE_SGLANG_RECORD"].replace("{port}", str(args.port))
 ABORT_LINGER_S = float(os.environ.get("FAKE_SGLANG_ABORT_LINGER_S", "0.3"))
 """How long an aborted request stays in the scheduler: an abort is applied at its next step
 (sglang/srt/managers/scheduler.py), so the scheduler is not idle at once."""
@@ -32,7 +33,7 @@ if os.environ.get("FAKE_SGLANG_FAIL"):
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 state = {"version": "default", "released": set(), "paused": False, "running": {}, "waiting": {}, "aborted": 0,
          "calls": [], "loaded": [], "argv": sys.argv[1:], "child_pid": child.pid, "started": time.time(),
-         "mode": "ok"}
+         "mode": "ok", "generated": [], "pid": os.getpid()}
 slots = asyncio.Semaphore(args.max_running_requests or 1)  # beyond it, requests wait in the queue
 
 
@@ -89,6 +90,8 @@ async def generate(request):
     while state["paused"]:
         await asyncio.sleep(0.01)
     rid = body.get("rid") or str(time.time())
+    state["generated"].append(rid)  # test record: which server took which call
+    save()
     n = body.get("sampling_params", {}).get("max_new_tokens", 8)
     fut = asyncio.get_running_loop().create_future()
     state["waiting"][rid] = fut
@@ -227,6 +230,21 @@ async def api_key(request, handler):  # SGLang's own rule: /health and /metrics 
         return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
 
+
+if (args.node_rank or 0) >= 1:
+    # sglang/srt/entrypoints/engine.py (_launch_subprocesses): a node other than the server's first
+    # runs no tokenizer and no HTTP API, only sglang/srt/utils/common.py's
+    # launch_dummy_health_check_server on its --port (/ping, /health, /health_generate; /metrics
+    # with --enable-metrics), until node 0 stops its schedulers.
+    async def ok(request):
+        return web.Response(status=200)
+
+    side = web.Application()
+    for path in ("/ping", "/health", "/health_generate"):
+        side.router.add_get(path, ok)
+    save()
+    web.run_app(side, host=args.host, port=args.port, print=None)
+    sys.exit(0)
 
 app = web.Application(middlewares=[api_key])
 app.router.add_get("/health", health)

@@ -345,10 +345,10 @@ def request_from_config(*, model: Mapping[str, Any], trainer: Any, engine: Any, 
     if trainer.kind == "megatron":
         kw |= {"trainer_tp": trainer.tensor_model_parallel_size, "trainer_pp": trainer.pipeline_model_parallel_size,
                "trainer_ep": trainer.expert_model_parallel_size, "params_dtype": trainer.params_dtype}
-               "engine_weight_dir": engine.weight_dir,
     if engine.kind == "sglang":
         kw |= {"engine_tp": engine.tp_size, "engine_pp": engine_pp_of(engine.extra_args), "engine_dp": engine.dp_size,
                "engine_ep": engine.ep_size, "engine_nnodes": engine.nnodes, "engine_dtype": engine.dtype,
+               "engine_weight_dir": engine.weight_dir,
                "mem_fraction_static": engine.mem_fraction_static, "context_length": engine.context_length}
     return LayoutRequest(nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
                          ranks_per_node=ranks_per_node, trainer=trainer.kind, engine=engine.kind, shape=shape,

@@ -155,9 +155,9 @@ class CellRunner:
         self.ctl = self.link.sock
         self.vocab_size = vocab_rows(cfg.model)
         self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
+        channel = None
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
             # check_ranks: a multi-rank cell is trainer=megatron, whose config has the timeout
-        channel = None
             channel = CommandChannel(timeout_s=self.cfg.trainer.command_timeout_s)
             links, inboxes, shards = make_rank_links(cfg, self.ctx, ranks, self.is_core, channel)
             self.trainer = LeaderTrainer(self.trainer, channel, links)
@@ -385,14 +385,14 @@ class CellRunner:
         assert self.weight_puller is not None, "only satellites pull weights"
         return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s, dtype)
 
-    def current_version(self) -> int:
-        if self.phase in ("serving", "draining"):
-            return self.engine.weight_version if self.engine.weight_version is not None else -1
-        return self.trainer.version
     def engine_urls(self) -> list[str]:
         """Every server the cell serves through (the embedded engine is one)."""
         return list(getattr(self.engine, "urls", [self.engine.url]))
 
+    def current_version(self) -> int:
+        if self.phase in ("serving", "draining"):
+            return self.engine.weight_version if self.engine.weight_version is not None else -1
+        return self.trainer.version
 
     def heartbeat_message(self) -> wire.Heartbeat:
         """Built on the link's thread while the cell's may be busy: it reads attributes only."""

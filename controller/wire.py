@@ -454,23 +454,6 @@ class GroupDone(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CallRecord(Message):
-    """One model call, token-in/token-out, exactly as the engine saw and produced it."""
-
-    TAG: ClassVar[str] = "call_record"
-    schema: int = 1
-    execution_id: str
-    call_id: str
-    call_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    weight_version: int
-    cell_id: int
-    finish_reason: FinishReason
-    lineage: Lineage = "main"
-    agent_id: str = ""
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionMessage(Message):
     """One message as the proxy's sessions compare it (``harness_proxy.sessions.normalize_message``):
     role, text, and each tool call as ``[name, arguments as canonical JSON]``."""
@@ -505,6 +488,9 @@ class SessionEntry(Message):
     line_lineage: Lineage
     line_task_len: int
     """Messages in the first request of the call's line."""
+    reply_tool_ids: list[str] = field(default_factory=list)
+    """The ids the proxy gave the reply's tool calls (Anthropic ``toolu_...``): a harness echoes them,
+    and the restarted proxy must know them as its own."""
 
     def check(self) -> None:
         _non_negative(base_length=self.base_length, line_task_len=self.line_task_len)
@@ -512,6 +498,23 @@ class SessionEntry(Message):
             raise ValueError("base_length: want > 0 with a base call")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallRecord(Message):
+    """One model call, token-in/token-out, exactly as the engine saw and produced it."""
+
+    TAG: ClassVar[str] = "call_record"
+    schema: int = 1
+    execution_id: str
+    call_id: str
+    call_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: int
+    cell_id: int
+    finish_reason: FinishReason
+    lineage: Lineage = "main"
+    agent_id: str = ""
     started_at: float
     finished_at: float
     num_tool_calls: int = 0
@@ -525,8 +528,17 @@ class SessionEntry(Message):
     harness_temperature: float = 1.0
     """What the harness asked for (its default when it named none), kept beside what was used."""
     harness_top_p: float = 1.0
+    lineage_reason: str = ""
+    """Why the call got its ``lineage`` (``harness_proxy.sessions.REASONS``): the rule that decided it,
+    and whether a harness-specific hint (a header, a summary marker) did."""
+    session: SessionEntry | None = None
+    """What the proxy's sessions remembered of the call (None for a call that produced nothing)."""
 
     def check(self) -> None:
+        if len(self.lineage_reason) > 64:
+            raise ValueError("lineage_reason: over 64 characters")
+        if self.session is not None and self.session.base_length >= len(self.prompt_ids) + 1:
+            raise ValueError("session.base_length: longer than the prompt")
         if self.num_tool_calls < 0:
             raise ValueError("num_tool_calls: want >= 0")
         for name in ("temperature", "harness_temperature"):
@@ -542,17 +554,8 @@ class SessionEntry(Message):
             raise ValueError("prompt_ids: empty")
         _non_negative(call_index=self.call_index, weight_version=self.weight_version)
         for lp in self.output_logprobs:
-    lineage_reason: str = ""
-    """Why the call got its ``lineage`` (``harness_proxy.sessions.REASONS``): the rule that decided it,
-    and whether a harness-specific hint (a header, a summary marker) did."""
-    session: SessionEntry | None = None
-    """What the proxy's sessions remembered of the call (None for a call that produced nothing)."""
             if not (lp <= 0.0 and math.isfinite(lp)):
                 raise ValueError(f"output_logprobs: want finite values <= 0, got {lp!r}")
-        if len(self.lineage_reason) > 64:
-            raise ValueError("lineage_reason: over 64 characters")
-        if self.session is not None and self.session.base_length >= len(self.prompt_ids) + 1:
-            raise ValueError("session.base_length: longer than the prompt")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -584,6 +587,13 @@ class ExecutionFacts(Message):
     staleness_mean: float = 0.0
     """Mean over calls of (the step trained on) - (the weight version that sampled the call)."""
     staleness_max: int = 0
+    main_output_tokens: int = 0
+    """Output tokens of the main agent's calls (summaries included)."""
+    untrained_output_tokens: int = 0
+    """Output tokens never trained because of their calls' label (``side``): the policy wrote them,
+    no gradient sees them."""
+    lineage_reasons: dict[str, int] = field(default_factory=dict)
+    """Calls by the reason their label was given (``CallRecord.lineage_reason``)."""
 
     def check(self) -> None:
         _non_negative(**{f: getattr(self, f) for f in (
@@ -603,13 +613,6 @@ class ExecutionSealed(Message):
     num_calls: int
 
 
-    main_output_tokens: int = 0
-    """Output tokens of the main agent's calls (summaries included)."""
-    untrained_output_tokens: int = 0
-    """Output tokens never trained because of their calls' label (``side``): the policy wrote them,
-    no gradient sees them."""
-    lineage_reasons: dict[str, int] = field(default_factory=dict)
-    """Calls by the reason their label was given (``CallRecord.lineage_reason``)."""
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecordsAck(Message):
     """The processor -> the proxy: these CallRecords and seals are in its log (durable), so the
@@ -625,23 +628,6 @@ class RecordsAck(Message):
             raise ValueError("call_ids: want one per execution id")
 
 
-def record_key(msg: CallRecord | ExecutionSealed) -> tuple[str, str]:
-    """What ``RecordsAck`` names a record or a seal by (the processor deduplicates by it too)."""
-    return (msg.execution_id, msg.call_id if isinstance(msg, CallRecord) else "")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Delivered(Message):
-    """The controller -> the processor: it took these shards and these groups' ``GroupDone``
-    (deduplicated by id on its side), so the processor logs them as delivered and never sends
-    them again, even after a restart."""
-
-    TAG: ClassVar[str] = "delivered"
-    shard_ids: list[str] = field(default_factory=list)
-    group_ids: list[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- data plane: weights and gradients
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionReplayRequest(Message):
     """The proxy -> the processor, on the records socket: send me the logged CallRecords of this
@@ -665,6 +651,23 @@ class SessionReplayEnd(Message):
         _non_negative(num_records=self.num_records)
 
 
+def record_key(msg: CallRecord | ExecutionSealed) -> tuple[str, str]:
+    """What ``RecordsAck`` names a record or a seal by (the processor deduplicates by it too)."""
+    return (msg.execution_id, msg.call_id if isinstance(msg, CallRecord) else "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivered(Message):
+    """The controller -> the processor: it took these shards and these groups' ``GroupDone``
+    (deduplicated by id on its side), so the processor logs them as delivered and never sends
+    them again, even after a restart."""
+
+    TAG: ClassVar[str] = "delivered"
+    shard_ids: list[str] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- data plane: weights and gradients
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -784,6 +787,7 @@ MESSAGES: dict[str, type[Message]] = {
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionFacts, ExecutionSealed, PullWeights, TensorSpec,
         WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked, RecordsAck, Delivered,
+        SessionMessage, SessionEntry, SessionReplayRequest, SessionReplayEnd,
     )
 }
 
@@ -801,7 +805,6 @@ def to_plain(msg: Message) -> dict[str, Any]:
             value = [to_plain(v) for v in value]
         out[f.name] = value
     return out
-        SessionMessage, SessionEntry, SessionReplayRequest, SessionReplayEnd,
 
 
 def encode(msg: Message) -> bytes:

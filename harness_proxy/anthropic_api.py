@@ -285,14 +285,21 @@ class MintedToolUses:
                 {"id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "arguments": call.arguments}
                 for call in parsed.tool_calls
             ]
-            turn = _MintedTurn(
-                content=parsed.content, reasoning=parsed.reasoning or "", output_ids=list(output_ids),
-                calls={c["id"]: (c["name"], c["arguments"]) for c in msg["tool_calls"]},
-            )
-            minted = self._by_execution.setdefault(execution_id, {})
-            for call in msg["tool_calls"]:
-                minted[call["id"]] = turn
+            self.restore(execution_id, parsed, output_ids, [c["id"] for c in msg["tool_calls"]])
         return msg
+
+    def restore(self, execution_id: str, parsed: ParsedOutput, output_ids: list[int], ids: list[str]) -> None:
+        """Remember the turn whose tool calls got ``ids`` (``reply``, or a restarted proxy reading its
+        CallRecord back: ``SessionEntry.reply_tool_ids``)."""
+        if not parsed.tool_calls or len(ids) != len(parsed.tool_calls) or not all(i.startswith("toolu_") for i in ids):
+            return
+        turn = _MintedTurn(
+            content=parsed.content, reasoning=parsed.reasoning or "", output_ids=list(output_ids),
+            calls={i: (call.name, call.arguments) for i, call in zip(ids, parsed.tool_calls)},
+        )
+        minted = self._by_execution.setdefault(execution_id, {})
+        for i in ids:
+            minted[i] = turn
 
     def canonicalize(self, execution_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with each echoed tool_use the proxy minted restored to the model's own input,

@@ -24,10 +24,11 @@ monotonic clock, from the first call the proxy saw of the execution (its token v
 of 0 is no limit.
 
 State and restarts. The counters live in the proxy's memory, in its entry for the execution,
-which goes when the execution is sealed. Nothing persists them: a proxy restarted in place starts
-every live execution's counters again at zero, and its wall clock at its next call, so an
-execution may take its budget once more per proxy restart. The controller's own per-execution
-timeout, which kills and seals it, does not restart with the proxy.
+which goes when the execution is sealed. A proxy restarted in place rebuilds an execution's entry
+from the CallRecords the processor logged (``trajectory.session_replay``) before it answers the
+execution's next call: its calls and tokens count on from there (calls that failed at an engine
+were not recorded and are not counted again), while its wall clock starts again at that call. The
+controller's own per-execution timeout, which kills and seals it, does not restart with the proxy.
 """
 
 from __future__ import annotations

@@ -599,7 +599,12 @@ class ProxyServer:
             return exe
         exe = self._executions[execution_id] = _Execution(first_call_at=time.monotonic())
         records = sorted(replay.records, key=lambda r: r.call_index)
-        restored = sum(self.sessions.restore(r) for r in records)
+        restored = 0
+        for r in records:
+            restored += self.sessions.restore(r)
+            if r.session is not None and r.session.reply_tool_ids:  # tool_use ids the harness will echo
+                self.minted.restore(execution_id, parse_output(self.tok, r.output_ids), r.output_ids,
+                                    r.session.reply_tool_ids)
         if records:
             exe.num_calls = records[-1].call_index + 1
             exe.num_sent = len(records)

@@ -17,15 +17,22 @@ as parsed JSON (a harness may re-serialise them), tool-call ids ignored. Tools a
 JSON values (key order ignored). This module keeps no trajectories; it decides prompt ids and
 lineage.
 
-**Memory, not a count.** What an execution holds is bounded by ``memory_bytes`` (approximate:
-8 bytes per remembered id, the length of each remembered message's text, a fixed overhead per
-message): past it, the oldest calls are forgotten first (the newest always stays), and a tape or
-message no remembered call needs any more is freed. Nothing is forgotten by count.
+**Memory, not a count.** What an execution holds is bounded by ``memory_bytes``
+(``proxy.session_memory_bytes``; approximate: 8 bytes per remembered id, the length of each
+remembered message's text, a fixed overhead per message): past it, the oldest calls are forgotten
+first (the newest always stays), and a tape or message no remembered call needs any more is freed.
+Nothing is forgotten by count. The prompt plans of calls at an engine are counted apart (8 bytes
+an id) and dropped when a call fails; ``total_bytes`` sums everything, which the server holds
+under ``proxy.max_session_bytes``.
 
 **Lineage.** Claude Code says who is calling (the ``x-claude-code-agent-id`` header, its summary
 instruction, the title call's shape; ``anthropic_api.lineage_of``): the server passes that as
 ``lineage`` and the store only splices. Where no header says it (the OpenAI API: Qwen Code,
-mini-swe-agent, the bundled harness), the store derives it, first rule that applies:
+mini-swe-agent, the bundled harness), the store derives it from the structure of the calls (which
+remembered call a prompt extends, where a new conversation starts, which waiting tool call handed
+it its task), first rule that applies; each call's ``reason`` (``REASONS``, on its CallRecord as
+``lineage_reason``) names the rule, and ``+summary-marker`` where a harness-specific summary text
+(a hint, nothing more) made it a ``-summary`` call:
 
 1. *first*: the execution's first call is ``main``.
 2. *extends*: a call that extends a remembered call inherits that call's line (its lineage and
@@ -33,19 +40,29 @@ mini-swe-agent, the bundled harness), the store derives it, first rule that appl
 3. *branch*: a call that shares with a known line at least that line's whole first request (its
    system prompt and task) and then differs (history edited, tools changed, a retry) stays on that
    line.
-4. *over*: a call that repeats a known line's conversation (at least its first request, after the
-   system prompt) under *another* system prompt is a task run over that history: a summary of that
-   line (``main-summary`` / ``sub-agent-summary``) when its last user message holds a summary
+4. *system-changed* / *over*: a call that repeats a known line's conversation (at least its first
+   request, after the system prompt) under *another* system prompt. When the two system prompts
+   are one agent's (what they share at the start and the end is at least ``SYSTEM_VARIANT_SHARE``
+   of the longer: a timestamp, a directory listing or a memory index changed), the line goes on
+   (*system-changed*). Else it is a task run over that history (*over*): a summary of that line
+   (``main-summary`` / ``sub-agent-summary``) when its last user message holds a summary
    instruction (``SUMMARY_MARKERS``: Qwen Code's ``<state_snapshot>`` compression), else ``side``
    (Qwen Code's memory extraction, loop detection).
 5. *rewrite*: a call whose user or system messages quote, verbatim, the text of a recent reply of
    a known non-side line (a compaction summary put back as the new history) continues that line.
-6. *hand-off*: a call whose user message holds a string argument of a recent tool call (Qwen Code's
-   ``agent`` tool ``prompt``, Claude Code's ``Agent``) is a new ``sub-agent``.
-7. *same system prompt*: a call that shares only the system prompt (and maybe the tools) with a
-   non-side line but opens a new task is a new ``sub-agent``.
+6. *hand-off*: a call whose user message holds a string argument of a tool call that is still
+   waiting for its result (in the newest reply of a non-side line: Qwen Code's ``agent`` tool
+   ``prompt``, Claude Code's ``Agent``) is a new ``sub-agent``.
+7. *new-conversation*: a call under the system prompt of a non-side line (or one of its variants,
+   as in rule 4) that opens a new task is a new ``sub-agent``.
 8. *else*: a one-off call outside every line (another system prompt, nothing handed to it) is
    ``side``; if it continues, rule 2 keeps it ``side``.
+
+**Restarts.** ``remember`` returns what it remembered of the call (``wire.SessionEntry``: the
+call it was spliced onto, the messages after that call's, the reply, the tools where they changed,
+the line), which goes out on the call's CallRecord; ``restore`` remembers a call again from its
+record. A restarted proxy reads an execution's records back from the processor's log before it
+answers the execution's next call, so splicing, lineage and the line's agent ids go on exactly.
 
 Rules 1-3 are the hot path (the walk that finds the splice also finds the branch point); 4-8 run
 only for a call that extends nothing. Each new sub-agent line gets a derived agent id
@@ -699,6 +716,7 @@ class SessionStore:
             reply=_wire_message(node.norm),
             tools_json=None if named and base.tools is tools_obj else tools_key(tools_obj),  # type: ignore[union-attr]
             line=line.agent, line_lineage=line.lineage, line_task_len=line.task_len,  # type: ignore[arg-type]
+            reply_tool_ids=[_utf8(str(c.get("id", ""))) for c in reply.get("tool_calls") or [] if isinstance(c, dict)],
         )
 
     def _child(self, exe: _Execution, node: _Node, m: dict[str, Any], line: _Line) -> _Node:

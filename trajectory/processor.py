@@ -97,6 +97,8 @@ from trajectory.tree import TokenTree
 log = logging.getLogger(__name__)
 
 USABLE_OUTCOMES = ("finished", "timed_out")
+UNTRAINED_LINEAGES = ("side",)
+"""Calls whose output the tree never trains (``trajectory.tree``: side calls add no path)."""
 _REPLAY_REQUEST_HEAD = msgpack.packb([PROTOCOL_VERSION, SessionReplayRequest.TAG, {}])[:-1]
 """How a replay request's frame starts ([version, tag, ...), so record frames are not decoded twice."""
 DROPPED_TOO_FEW_USABLE = "too_few_usable"
@@ -127,6 +129,8 @@ class Counters:
     num_excluded_grade_failed: int = 0
     num_empty_executions: int = 0
     """Usable executions without a single training target (no calls, or no policy tokens)."""
+    num_main_mostly_dropped: int = 0
+    """Executions whose untrained (side-labelled) output outweighed the main agent's: warned in the log."""
     num_groups_emitted: int = 0
     num_groups_dropped: int = 0
     num_groups_replayed: int = 0
@@ -161,11 +165,19 @@ class _Facts:
     tool_calls: int = 0
     call_s: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    main_output_tokens: int = 0
+    untrained_output_tokens: int = 0
+    reasons: Counter = field(default_factory=Counter)
     sent: bool = False
 
     def add(self, record: CallRecord) -> None:
         self.calls += 1
         self.by_lineage[record.lineage] += 1
+        self.reasons[record.lineage_reason or "unknown"] += 1
+        if record.lineage in UNTRAINED_LINEAGES:
+            self.untrained_output_tokens += len(record.output_ids)
+        elif record.lineage in ("main", "main-summary"):
+            self.main_output_tokens += len(record.output_ids)
         self.hung_up += record.finish_reason == "abort" and not record.output_ids
         if record.lineage in ("sub-agent", "sub-agent-summary") and record.agent_id:
             self.agents.add(record.agent_id)
@@ -185,7 +197,14 @@ class _Facts:
             prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens, tool_calls=self.tool_calls,
             tree_tokens=tree_tokens, call_s_sum=sum(self.call_s), call_s_max=max(self.call_s, default=0.0),
             staleness_mean=sum(stale) / len(stale) if stale else 0.0, staleness_max=max(stale, default=0),
+            main_output_tokens=self.main_output_tokens, untrained_output_tokens=self.untrained_output_tokens,
+            lineage_reasons=dict(self.reasons.most_common(64)),
         )
+
+    def main_mostly_dropped(self) -> bool:
+        """More of the policy's output went untrained for its label than the main agent wrote: a
+        harness whose main line the proxy mislabelled ``side`` looks like this."""
+        return self.untrained_output_tokens > self.main_output_tokens
 
 
 @dataclass
@@ -500,6 +519,12 @@ class Processor:
         if ex.grade is None or ex.sealed is None or ex.facts.sent:
             return
         ex.facts.sent = True
+        if ex.facts.main_mostly_dropped():
+            self.counters.num_main_mostly_dropped += 1
+            log.warning(
+                "execution %s: %d output tokens not trained for their label (side) against %d of the main agent's; "
+                "calls by reason: %s. If the harness's main line was labelled side, its work is not trained",
+                execution_id, ex.facts.untrained_output_tokens, ex.facts.main_output_tokens, dict(ex.facts.reasons))
         tree_tokens = ex.tree.num_tokens if ex.tree is not None else 0
         self._facts.append(ex.facts.message(execution_id, step=ex.grade.step, tree_tokens=tree_tokens))
 
@@ -630,14 +655,14 @@ class ProcessorService:
         """Take the replay requests out of a records-socket batch: the rest (for ``take_records``), and
         ``[sender, frame]`` pairs answering the requests. Answer them after ``take_records`` of the
         same batch, so a record logged just before a request is in its answer."""
-        def request(frame: bytes) -> SessionReplayRequest | None:
+        def request(frame: bytes) -> SessionReplayRequest | bool:
             if not frame.startswith(_REPLAY_REQUEST_HEAD):
-                return None
+                return False
             try:
                 return decode(frame, expect=(SessionReplayRequest,))  # type: ignore[return-value]
             except ProtocolError as exc:
                 self.reject("records", str(exc))
-                return None
+                return True
         rest, requests = split_requests(batch, request)
         answers = [[ident, frame] for ident, req in requests
                    for frame in self.sessions.answer(req, self.processor.is_sealed)]

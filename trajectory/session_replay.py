@@ -61,14 +61,16 @@ class SessionIndex:
 
 
 def split_requests(
-    batch: Sequence[tuple[bytes, bytes]], decode_request: Callable[[bytes], SessionReplayRequest | None]
+    batch: Sequence[tuple[bytes, bytes]], decode_request: Callable[[bytes], SessionReplayRequest | bool]
 ) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, SessionReplayRequest]]]:
-    """The records socket's frames: those to log, and the replay requests (never logged)."""
+    """The records socket's frames: those to log, and the replay requests (never logged).
+    ``decode_request``: the request, False for a frame that is no request, True for one that looks
+    like a request but is not valid (it has been rejected, and goes nowhere)."""
     rest, requests = [], []
     for ident, frame in batch:
         req = decode_request(frame)
-        if req is None:
+        if req is False:
             rest.append((ident, frame))
-        else:
+        elif req is not True:
             requests.append((ident, req))
     return rest, requests

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controller import wire
 from harness_proxy.openai_api import reply_message
 from harness_proxy.sessions import SessionStore, normalize_message, tools_key
 from harness_proxy.template import generation_prompt, parse_output, render_appended, render_messages, turn_separator
@@ -352,3 +354,122 @@ def _check_paths(store):
             assert c.norms[: c.node.depth] == [n.norm for n in path] and len(path) == c.node.depth
         for tip in exe.tips.values():
             assert tip.length == len(tip.tape) and len(tip.norms) == tip.node.depth
+
+
+# ---------------------------------------------------------------- a restarted proxy: sessions rebuilt from CallRecords
+
+STAMPED = "You are the main agent. Today is {day}. Files here: {files}.\n" + "Follow the repository's style. " * 40
+AGENT_TOOLS = [{"type": "function", "function": {"name": "agent"}}]
+
+
+def _script_step(store: SessionStore | None, k: int, messages: list, out_text: str, tool_args=None, tools=None):
+    """Call ``k`` through ``store``: (its plan, its reply, its CallRecord as the proxy sends it); with
+    no store (a call made before a restart) only the reply the harness got."""
+    out = TOK.encode(out_text or "ok")
+    if tool_args is not None:
+        out = [TOK.specials["<tool_call>"], *TOK.encode("\n" + json.dumps({"name": "agent", "arguments": tool_args})
+                                                        + "\n"), TOK.specials["</tool_call>"]]
+    out = out + [TOK.im_end]
+    reply = reply_message(parse_output(TOK, out))
+    if store is None:
+        return None, reply, None
+    plan = store.build_prompt("ex", "", messages, tools)
+    entry = store.remember("ex", plan.agent, messages=messages, tools=tools, reply=reply, prompt_ids=plan.prompt_ids,
+                           output_ids=out, call_id=f"c{k}")
+    record = wire.CallRecord(
+        execution_id="ex", call_id=f"c{k}", call_index=k, prompt_ids=list(plan.prompt_ids), output_ids=out,
+        output_logprobs=[-0.5] * len(out), weight_version=0, cell_id=0, finish_reason="stop", lineage=plan.lineage,
+        agent_id=plan.agent_id, started_at=0.0, finished_at=0.0, lineage_reason=plan.reason, session=entry)
+    return plan, reply, wire.decode(wire.encode(record))  # as it went through the processor's log
+
+
+def _conversation(store: SessionStore, *, start: int = 0):
+    """A header-less run: main hands a task to a sub-agent, the sub-agent works, main goes on under a
+    system prompt whose date and listing change, a memory extraction (side), a compression (summary),
+    the history restarted from the summary, a title call, main again. Calls before ``start`` were made
+    before a restart (not through ``store``). Yields (plan, record) per call through ``store``."""
+    sys1 = {"role": "system", "content": STAMPED.format(day="Monday", files="a.py")}
+    sys2 = {"role": "system", "content": STAMPED.format(day="Tuesday", files="a.py b.py")}
+    sub = [{"role": "system", "content": "You are a general-purpose agent."},
+           {"role": "user", "content": "Write a regression test for the escape bug."}]
+    calls = iter(range(100))
+
+    def step(messages, text, tool_args=None, tools=None):
+        k = next(calls)
+        plan, reply, record = _script_step(store if k >= start else None, k, messages, text, tool_args, tools)
+        if plan is not None:
+            done.append((plan, record))
+        return reply
+
+    done: list = []
+    r1 = step([sys1, TASK], "", {"prompt": "Write a regression test for the escape bug."}, AGENT_TOOLS)
+    sr1 = step(sub, "Wrote test_escape.py.")
+    step(sub + [sr1, {"role": "user", "content": "run it"}], "It passes.")
+    m2 = [sys2, TASK, r1, {"role": "tool", "content": "the sub-agent wrote test_escape.py"}]
+    r2 = step(m2, "Now the fix.", tools=AGENT_TOOLS)
+    m3 = m2 + [r2, {"role": "user", "content": "go on"}]
+    r3 = step(m3, "Fixed.", tools=AGENT_TOOLS)
+    step([{"role": "system", "content": "You extract memories."}, TASK, r1, {"role": "user", "content": "Save them."}],
+         "Nothing to save.")
+    cr = step([{"role": "system", "content": "You compress chats."}, TASK, r1,
+               {"role": "user", "content": "Then, generate the <state_snapshot>."}],
+              "<state_snapshot>parser.py fixed, escapes in lex(), test added</state_snapshot>")
+    step([sys2, {"role": "user", "content": cr["content"]}, {"role": "assistant", "content": "Got it."},
+          {"role": "user", "content": "continue"}], "Continuing.", tools=AGENT_TOOLS)
+    step([{"role": "system", "content": "Write a 3-word title."}, {"role": "user", "content": "x"}], "Parser escape fix")
+    step(m3 + [r3, {"role": "user", "content": "and the docs"}], "Docs done.", tools=AGENT_TOOLS)
+    return done
+
+
+def _plan_key(plan):
+    return plan.prompt_ids, plan.spliced, plan.lineage, plan.agent, plan.agent_id, plan.reason
+
+
+def test_an_unbroken_run_labels_by_token_structure_and_says_why():
+    got = [(p.lineage, p.agent_id, p.reason) for p, _ in _conversation(SessionStore(TOK))]
+    assert got == [
+        ("main", "", "first"), ("sub-agent", "sub-1", "handoff"), ("sub-agent", "sub-1", "extends"),
+        ("main", "", "system-changed"),  # the date and listing changed: still the main agent, trained
+        ("main", "", "extends"), ("side", "", "over"), ("main-summary", "", "over+summary-marker"),
+        ("main", "", "rewrite"), ("side", "", "else"), ("main", "", "extends"),
+    ]
+
+
+def test_a_store_rebuilt_from_the_records_decides_every_later_call_as_the_unbroken_one():
+    unbroken = _conversation(SessionStore(TOK))
+    records = [rec for _, rec in unbroken]
+    for cut in range(len(records) + 1):  # the proxy restarts before call `cut`
+        rebuilt = SessionStore(TOK)
+        assert all(rebuilt.restore(r) for r in records[:cut])
+        rest = _conversation(rebuilt, start=cut)
+        assert [_plan_key(p) for p, _ in rest] == [_plan_key(p) for p, _ in unbroken[cut:]], f"restart before call {cut}"
+        fresh_ids = [dataclasses.replace(r.session, reply_tool_ids=[]) for _, r in rest]  # ids are minted anew
+        assert fresh_ids == [dataclasses.replace(r.session, reply_tool_ids=[]) for r in records[cut:]]
+
+
+def test_without_the_records_a_restarted_store_gets_lineage_wrong():
+    """What the rebuild is for: a store that starts empty mid-run calls the sub-agent's next call
+    ``main`` (it comes first) and splices nothing."""
+    unbroken = _conversation(SessionStore(TOK))
+    fresh = _conversation(SessionStore(TOK), start=2)
+    assert (fresh[0][0].lineage, fresh[0][0].spliced) == ("main", False)
+    assert (unbroken[2][0].lineage, unbroken[2][0].spliced) == ("sub-agent", True)
+
+
+def test_a_record_naming_a_base_the_store_does_not_hold_is_not_restored():
+    records = [rec for _, rec in _conversation(SessionStore(TOK))]
+    rebuilt = SessionStore(TOK)
+    assert records[2].session.base_call_id == "c1"
+    assert not rebuilt.restore(records[2])  # c1 was never restored
+    assert rebuilt.restore(records[0]) and rebuilt.restore(records[1]) and rebuilt.restore(records[2])
+
+
+def test_prompt_plans_are_counted_and_a_failed_calls_plan_is_dropped():
+    store = SessionStore(TOK)
+    assert store.total_bytes() == 0
+    plan = store.build_prompt("ex", "", [SYSTEM, TASK], None)
+    assert store.total_bytes() == 8 * len(plan.prompt_ids)
+    store.discard_plan("ex", plan.prompt_ids)
+    assert store.total_bytes() == 0 and store.num_executions() == 0
+    _call(store, [SYSTEM, TASK], "done")
+    assert store.total_bytes() == store.held_bytes("ex") > 0

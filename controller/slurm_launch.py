@@ -112,6 +112,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
         raise StartError("cluster=slurm: `scontrol` is not on PATH (is this a Slurm node?)") from None
     except subprocess.CalledProcessError as exc:
         raise StartError(f"scontrol show hostnames {nodelist!r} failed: {exc.stderr.strip()}") from None
+    except subprocess.TimeoutExpired:  # an overloaded node: say so, not a traceback from every rank
+        raise StartError(f"scontrol show hostnames {nodelist!r} did not answer within 30 s") from None
     nodes = out.stdout.split()
     if not nodes:
         raise StartError(f"scontrol show hostnames {nodelist!r} printed no node")

@@ -88,6 +88,20 @@ def test_outside_an_allocation_is_a_clear_error():
         SlurmCells.from_env(4, env={})
 
 
+def test_an_scontrol_that_does_not_answer_is_a_clear_error(tmp_path, monkeypatch):
+    """On a node loaded past answering (1,536 ranks on 2 cores did it), ``scontrol`` times out: one
+    line naming it, not a traceback from every rank."""
+    stuck = tmp_path / "scontrol"
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    real_run = subprocess.run
+    monkeypatch.setattr(slurm_launch.subprocess, "run",
+                        lambda *a, **kw: real_run(*a, **{**kw, "timeout": 0.5}))  # not 30 s in a test
+    with pytest.raises(StartError, match="did not answer"):
+        slurm_launch.expand_nodelist("n[1-2]")
+
+
 def test_cells_from_a_real_node_list(slurm_env, monkeypatch):
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])  # scontrol reads it
     cells = SlurmCells.from_env(4, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-8]",

@@ -40,7 +40,9 @@ from cellrunner.backends import (
 from cellrunner.config import MegatronConfig
 from cellrunner.errors import BackendUnavailable
 from cellrunner.grads import GradExchange
-from cellrunner.model import FlatWeights, build_model, flatten_params, to_bf16, vocab_rows, weights_digest
+from cellrunner.model import (
+    FlatWeights, build_model, flatten_params, initial_weights, to_bf16, vocab_rows, weights_digest,
+)
 from cellrunner.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
@@ -197,7 +199,9 @@ class CellRunner:
             self.core_weights_addr = self.weight_server.addr
         else:
             self.weight_puller = make_weight_puller(self.cfg, self.ctx)
-            initial = flatten_params(build_model(self.cfg.model, self.vocab_size), 0)
+            # A Megatron core exports per-expert HF names whatever transformers builds: read them.
+            initial = (initial_weights(self.cfg.model, self.vocab_size) if isinstance(self.cfg.trainer, MegatronConfig)
+                       else flatten_params(build_model(self.cfg.model, self.vocab_size), 0))
             if isinstance(self.cfg.trainer, MegatronConfig) and self.cfg.trainer.params_dtype == "bfloat16":
                 # The core's version 0 is its bf16 parameters: start from the same values (a bf16
                 # checkpoint loses nothing; a float32 one is rounded here as the core rounded it).

@@ -32,6 +32,8 @@ Runs on CUDA unpatched. On a CPU-only torch megatron-core 0.16 needs the shims o
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -52,12 +54,14 @@ from cellrunner.errors import BackendUnavailable
 from cellrunner.config import MegatronConfig, ModelConfig
 from cellrunner.gspo import LossStats, PackedBatch, gspo_loss, pack
 from cellrunner.megatron_convert import (
-    Qwen3Layout, hf_shapes, hf_to_megatron, layout_from_hf, load_hf_safetensors, megatron_to_hf,
+    HFFolder, Qwen3Layout, global_expert_name, hf_from_megatron, hf_shapes, is_expert, iter_hf_to_megatron,
+    layout_from_hf, tp_split_dim,
 )
+from cellrunner.megatron_logprobs import chunked_token_logprobs
 from cellrunner.model import FlatWeights, build_model, hf_config
 from cellrunner.trainer import MicrostepResult, split_by_tokens
 from controller.checkpoints import META_FILE, Checkpoint
-from controller.wire import Shard, TensorSpec
+from controller.wire import Shard, TensorSpec, WeightsDtype
 from trajectory.config import AlgoConfig
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "trainer=megatron needs megatron-core: `pip install megatron-core==0.16.1 psutil` (Python 3.11)"
 CHECKPOINT_MANIFEST = "gyre_megatron.json"
 CHECKPOINT_FORMAT = 1
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronUnavailable(BackendUnavailable):
@@ -81,7 +86,6 @@ try:  # megatron-core is in the [test] and [gpu] installs, not the default one
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from megatron.core.transformer.transformer_config import TransformerConfig
     _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - exercised only on installs without megatron
@@ -178,8 +182,19 @@ def transformer_config(hf: Any, layout: Qwen3Layout, cfg: MegatronConfig) -> Tra
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **recompute_args(cfg),
         **moe,
     )
+
+
+def recompute_args(cfg: MegatronConfig) -> dict[str, Any]:
+    """Megatron's activation recompute fields from ``MegatronConfig``."""
+    if cfg.recompute_granularity == "none":
+        return {}
+    if cfg.recompute_granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return dict(recompute_granularity="full", recompute_method=cfg.recompute_method,
+                recompute_num_layers=cfg.recompute_num_layers)
 
 
 def _fix_moe_without_transformer_engine() -> None:
@@ -193,9 +208,24 @@ def _fix_moe_without_transformer_engine() -> None:
 
 
 def block_spec(tconfig: TransformerConfig, cfg: MegatronConfig) -> Any:
-    """This pipeline stage's layers: dense or MoE per ``moe_layer_freq``, local or TE modules."""
-    return get_gpt_decoder_block_spec(tconfig, use_transformer_engine=cfg.layer_spec == "transformer_engine",
+    """This pipeline stage's layers: dense or MoE per ``moe_layer_freq``, local or TE modules;
+    the local spec's core attention is torch's SDPA unless ``local_attention: unfused``."""
+    spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=cfg.layer_spec == "transformer_engine",
                                       normalization="RMSNorm")
+    if cfg.layer_spec == "local" and cfg.local_attention == "sdpa":
+        from cellrunner.megatron_attention import SDPAttention
+
+        spec = copy.deepcopy(spec)  # megatron may hand out shared spec objects
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def attention_backend(cfg: MegatronConfig) -> str:
+    """Which core attention the model runs, as reported in the log and by the trainer."""
+    if cfg.layer_spec == "transformer_engine":
+        return "transformer_engine"
+    return "torch_sdpa" if cfg.local_attention == "sdpa" else "megatron_unfused"
 
 
 def rope_theta(hf: Any) -> float:
@@ -214,6 +244,28 @@ def hf_specs(layout: Qwen3Layout) -> tuple[TensorSpec, ...]:
         specs.append(TensorSpec(name=name, shape=list(shape), offset=offset))
         offset += int(np.prod(shape, dtype=np.int64))
     return tuple(specs)
+
+
+def export_units(layout: Qwen3Layout) -> list[tuple[str, tuple[str, ...]]]:
+    """The export's units, the same list on every rank: each megatron tensor (global name, global
+    expert index) and the HF tensors it becomes. Found by converting empty ``meta`` tensors."""
+    meta = {n: torch.empty(shape, device="meta") for n, shape in hf_shapes(layout).items()}
+    return [(name, tuple(hf_from_megatron(name, [t], layout)))
+            for name, t in iter_hf_to_megatron(meta, layout)]
+
+
+def microbatches(chunks: list[list[Any]], dp_rank: int, dp_size: int, *, even: bool) -> list[PackedBatch]:
+    """This DP rank's share of a shard's chunks (every ``dp_size``-th). ``even``: every DP rank
+    runs the same number of microbatches, the short ones padded with a copy of a batch whose
+    targets are all masked out (no loss, no gradient): with expert parallelism each MoE layer's
+    token all-to-all is a collective over the EP group, so a rank with one microbatch fewer would
+    leave its peers waiting in it."""
+    batches = [pack(c) for c in chunks[dp_rank::dp_size]]
+    if even and chunks:
+        idle = dataclasses.replace(pack(chunks[0]), num_targets=0)
+        idle = dataclasses.replace(idle, target_mask=torch.zeros_like(idle.target_mask))
+        batches += [idle] * (-(-len(chunks) // dp_size) - len(batches))
+    return batches
 
 
 def hf_tensors(weights: FlatWeights, layout: Qwen3Layout) -> dict[str, torch.Tensor]:
@@ -272,6 +324,14 @@ class MegatronTrainer:
         self._host_by_id: dict[int, torch.Tensor] = {}
         """While offloaded: each parameter's (and fp32 main copy's) host copy, by ``id``."""
         self._global_layers: list[int] = []
+        self._units = export_units(self.layout)
+        covered = [n for _, names in self._units for n in names]
+        if sorted(covered) != sorted(self._spec_by_name):  # every HF tensor exported exactly once
+            raise AssertionError("export units do not cover the HF manifest")
+        self._owners: torch.Tensor | None = None
+        self.last_folder: HFFolder | None = None
+        """The checkpoint folder version 0 was read from (its ``opened`` files: tests)."""
+        self.attention_backend = attention_backend(megatron)
         self._pad_cols: torch.Tensor | None = None  # this rank's padded vocabulary columns
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -328,43 +388,121 @@ class MegatronTrainer:
         (the CPU tests turn it on for the host to run the same path)."""
         return self.cfg.offload_when_serving and torch.cuda.is_available()
 
-    def weights(self, *, everywhere: bool = True) -> FlatWeights | None:
-        """The full model in the HF layout, float32. ``everywhere``: on every rank of the cell (an
-        all-gather over TP); else only on the cell's rank 0, the one that publishes it (serving
-        engines and satellites read it there): every other rank sends its TP shard in the params'
-        dtype and returns None, so no rank but one ever holds a full float32 copy of a large model."""
+    @property
+    def params_weights_dtype(self) -> WeightsDtype:
+        """The parameters' own dtype: ``weights(dtype=...)`` in it loses nothing (a bf16 model's
+        float32 export is only wider) and takes half the bytes of float32 for a bf16 model."""
+        return "bfloat16" if self.tconfig.params_dtype == torch.bfloat16 else "float32"
+
+    def weights(self, *, everywhere: bool = True, dtype: WeightsDtype = "float32") -> FlatWeights | None:
+        """The full model in the HF layout, in ``dtype`` (float32: what the cell's transfer hands
+        trainers; ``params_weights_dtype`` for the smallest exact copy). ``everywhere``: on every
+        rank of the cell; else only on the cell's rank 0, the one that publishes it (serving
+        engines and satellites read it there), every other rank returning None.
+
+        Streamed one megatron tensor at a time (``_export``): its TP shards are gathered on its
+        owner, converted to HF tensors there, and sent to rank 0 (or broadcast), which writes them
+        into the one flat buffer. No rank builds a second copy of the model, and only rank 0 holds
+        the whole of it; experts come from the EP rank that holds them, stages from their stage."""
         assert self.model is not None, "weights() before start()"
-        if self.cfg.expert_model_parallel_size > 1:
-            raise NotImplementedError("weights(): gathering experts over expert-parallel ranks is not built; use EP=1")
-        if not everywhere and self.dp_rank != 0:
-            return None  # a data-parallel replica of what DP rank 0 exports
         # An offloaded core (it serves) exports from the host copies the offload keeps: its own
-        # parameters' storage is freed. Of the ways to export while serving this costs the least
-        # GPU memory: none with TP=1 (all on the host), one tensor's TP shards at a time with TP>1
-        # (NCCL gathers on the device, each result back to the host at once). Bringing the
-        # parameters back would take the shard's whole size from the engine that holds the GPU now;
-        # an export cached at stop() would cost a full float32 host copy at every switch, used or not.
-        local = self._local_state(lambda p: self._values(p).detach())
-        hf = self._to_hf(local, everywhere=everywhere, to_host=self._offloaded)
-        if hf is None:
+        # parameters' storage is freed. Each tensor visits the device only for its own collectives
+        # (the serving engine holds the GPU).
+        flat = self._export(lambda p: self._values(p).detach(), dtype=_TORCH_DTYPES[dtype], everywhere=everywhere)
+        if flat is None:
             return None
-        multi_stage = parallel_state.get_pipeline_model_parallel_world_size() > 1
-        # The full float32 model lives on the host, except when stages must sum it (NCCL).
-        flat = torch.zeros(self.specs[-1].offset + int(np.prod(self.specs[-1].shape)), dtype=torch.float32,
-                           device=self.device if multi_stage else "cpu")
-        for name, t in hf.items():
-            spec = self._spec_by_name[name]
-            flat[spec.offset : spec.offset + t.numel()] = t.reshape(-1).float()
-        if multi_stage:
-            # Stages own disjoint tensors, so a sum over the stage group assembles them exactly.
-            group = parallel_state.get_pipeline_model_parallel_group()
-            if everywhere:
-                dist.all_reduce(flat, group=group)
-            else:
-                dist.reduce(flat, dst=parallel_state.get_pipeline_model_parallel_first_rank(), group=group)
-                if not parallel_state.is_pipeline_first_stage():
-                    return None
-        return FlatWeights(self.version, self.specs, flat.cpu().numpy())
+        data = flat.view(torch.int16).numpy().view(np.uint16) if flat.dtype == torch.bfloat16 else flat.numpy()
+        return FlatWeights(self.version, self.specs, data)
+
+    def _export(self, value: Any, *, dtype: torch.dtype, everywhere: bool) -> torch.Tensor | None:
+        """Every parameter's ``value(p)`` (weights, or gradients) as one flat HF-layout host tensor
+        of ``dtype`` in ``self.specs`` order: on every rank (``everywhere``) or on rank 0 only
+        (None elsewhere). Every rank of the cell calls it (its collectives span the cell)."""
+        params = self._named_params()
+        local_of = self._local_names()
+        owners = self._export_owners()
+        me = dist.get_rank()
+        multi = dist.get_world_size() > 1
+        receive = everywhere or me == 0
+        flat = torch.empty(self.specs[-1].offset + math.prod(self.specs[-1].shape), dtype=dtype) if receive else None
+        tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        for unit, (name, hf_names) in enumerate(self._units):
+            owner = int(owners[unit])
+            local = local_of.get(name)
+            produced: dict[str, torch.Tensor] = {}
+            if local is not None and self._takes_part(name):
+                t = value(params[local])
+                if tp_split_dim(name) is not None and tp_group is not None:
+                    t = t.to(self.device).contiguous()
+                    parts = [torch.empty_like(t) for _ in range(self.tp_size)] if me == owner else None
+                    dist.gather(t, parts, dst=parallel_state.get_tensor_model_parallel_src_rank(), group=tp_group)
+                    shards = parts or []
+                else:
+                    shards = [t]
+                if me == owner:
+                    produced = hf_from_megatron(name, shards, self.layout)
+                del t, shards
+            for hf_name in hf_names:
+                spec = self._spec_by_name[hf_name]
+                where = slice(spec.offset, spec.offset + math.prod(spec.shape))
+                if not multi or (me == owner and not everywhere and me == 0):
+                    if receive:
+                        flat[where] = produced[hf_name].reshape(-1)
+                    continue
+                if everywhere:
+                    buf = (produced[hf_name].to(self.device, dtype).contiguous() if me == owner
+                           else torch.empty(spec.shape, dtype=dtype, device=self.device))
+                    dist.broadcast(buf, src=owner)
+                    flat[where] = buf.reshape(-1)
+                elif me == owner:
+                    dist.send(produced[hf_name].to(self.device, dtype).contiguous(), dst=0)
+                elif me == 0:
+                    buf = torch.empty(spec.shape, dtype=dtype, device=self.device)
+                    dist.recv(buf, src=owner)
+                    flat[where] = buf.reshape(-1)
+            del produced
+        return flat
+
+    def _takes_part(self, name: str) -> bool:
+        """Whether this rank joins the export of megatron tensor ``name`` (it holds it): one
+        replica's ranks export each tensor, DP replica 0 the dense ones, expert-data-parallel
+        replica 0 the experts."""
+        if is_expert(name):
+            return parallel_state.get_expert_data_parallel_rank() == 0
+        return self.dp_rank == 0
+
+    def _owns(self, name: str) -> bool:
+        return self._takes_part(name) and (is_expert(name) or self.tp_rank == 0)
+
+    def _local_names(self) -> dict[str, str]:
+        """Global megatron name (global expert index) -> this rank's own parameter name."""
+        ep = self.cfg.expert_model_parallel_size
+        out = {}
+        for n in self._named_params():
+            if n == "output_layer.weight" and self.layout.tied_embeddings:
+                continue  # a copy of the embedding on the last stage
+            out[global_expert_name(n, ep_size=ep, ep_rank=self.ep_rank, num_experts=self.layout.num_experts)] = n
+        return out
+
+    def _export_owners(self) -> torch.Tensor:
+        """The global rank that converts and sends each export unit, agreed by every rank once:
+        each owner marks its units, a sum over the cell collects them, and every unit must have
+        exactly one (else the layout reasoning above is wrong, and the export would be too)."""
+        if self._owners is None:
+            local_of = self._local_names()
+            table = torch.zeros((2, len(self._units)), dtype=torch.int64)
+            for unit, (name, _) in enumerate(self._units):
+                if name in local_of and self._owns(name):
+                    table[0, unit], table[1, unit] = dist.get_rank(), 1
+            if dist.get_world_size() > 1:
+                reduced = table.to(self.device)
+                dist.all_reduce(reduced)
+                table = reduced.cpu()
+            bad = [self._units[u][0] for u in range(len(self._units)) if int(table[1, u]) != 1]
+            if bad:
+                raise RuntimeError(f"weights(): {len(bad)} tensors without exactly one owning rank, e.g. {bad[:3]}")
+            self._owners = table[0]
+        return self._owners
 
     def local_weights(self) -> FlatWeights:
         """This rank's own parameters, float32, in the Megatron layout (global names): what the
@@ -375,7 +513,9 @@ class MegatronTrainer:
         for name, p in params.items():
             specs.append(TensorSpec(name=name, shape=list(p.shape), offset=offset))
             offset += p.numel()
-        flat = torch.cat([self._values(p).detach().reshape(-1).float().cpu() for p in params.values()])
+        flat = torch.empty(offset, dtype=torch.float32)  # filled tensor by tensor, no second copy
+        for spec, p in zip(specs, params.values()):
+            flat[spec.offset : spec.offset + p.numel()] = self._values(p).detach().reshape(-1).cpu()
         return FlatWeights(self.version, tuple(specs), flat.numpy())
 
     def start_local(self, weights: FlatWeights) -> None:
@@ -397,7 +537,7 @@ class MegatronTrainer:
             raise ValueError(f"shard {shard.shard_id} is run-released: trainer=megatron needs algo.release=group")
         t0 = time.perf_counter()
         chunks = split_by_tokens(list(shard.sequences), self.algo.max_tokens_per_microstep)
-        batches = [pack(c) for c in chunks[self.dp_rank :: self.dp_size]]  # this DP rank's share
+        batches = microbatches(chunks, self.dp_rank, self.dp_size, even=self.cfg.expert_model_parallel_size > 1)
         totals = torch.zeros(6, dtype=torch.float64)  # loss, tokens, ratio*seqs, clipped*seqs, seqs, kl*tokens
         if batches:
             fb = get_forward_backward_func()
@@ -564,9 +704,11 @@ class MegatronTrainer:
         pad = cols >= self.layout.vocab_size
         self._pad_cols = pad if bool(pad.any()) else None
 
-    def _initial_hf(self) -> dict[str, torch.Tensor]:
+    def _initial_hf(self) -> Any:
         if self.model_cfg.path:
-            return load_hf_safetensors(self.model_cfg.path)
+            # Read lazily: this rank opens only the files that hold its own tensors.
+            self.last_folder = HFFolder(self.model_cfg.path)
+            return self.last_folder
         # The same seeded init as cellrunner.model, so version 0 matches every other cell's.
         return {n: p.detach() for n, p in build_model(self.model_cfg, self.vocab_size).named_parameters()}
 
@@ -586,40 +728,31 @@ class MegatronTrainer:
             state.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
         return state
 
-    def _to_hf(self, local: dict[str, torch.Tensor], *, everywhere: bool = True,
-               to_host: bool = False) -> dict[str, torch.Tensor] | None:
-        """This rank's tensors and its TP peers' as full HF tensors: on every TP rank (an
-        all-gather), or (``everywhere=False``) on TP rank 0 only (a gather), None elsewhere.
-        ``to_host``: ``local`` is on the host and so is the result; each tensor visits the device
-        only for its own gather (the serving engine holds the GPU)."""
-        if self.tp_size == 1:
-            shards = [local]
-        else:
-            group = parallel_state.get_tensor_model_parallel_group()
-            gets = everywhere or self.tp_rank == 0
-            shards = [{} for _ in range(self.tp_size)]
-            for name in sorted(local):  # the same order on every TP rank
-                t = local[name].to(self.device).contiguous()
-                parts = [torch.empty_like(t) for _ in range(self.tp_size)] if gets else None
-                if everywhere:
-                    dist.all_gather(parts, t, group=group)
-                else:  # to the global rank of this group's TP rank 0
-                    dist.gather(t, parts, dst=parallel_state.get_tensor_model_parallel_src_rank(), group=group)
-                for r in range(self.tp_size if gets else 0):
-                    shards[r][name] = parts[r].cpu() if to_host else parts[r]
-                del t, parts
-            if not gets:
-                return None
-        return megatron_to_hf(shards, self.layout, ep_size=self.cfg.expert_model_parallel_size,
-                              ep_rank=self.ep_rank, layers=self._global_layers)
-
-    def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
-        mine = hf_to_megatron(hf, self.layout, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                              ep_size=self.cfg.expert_model_parallel_size, ep_rank=self.ep_rank,
-                              layers=self._global_layers)
-        if self.layout.tied_embeddings:
-            mine["output_layer.weight"] = mine["embedding.word_embeddings.weight"]
-        self._set_params(mine)
+    def _load_hf(self, hf: Any) -> None:
+        """This rank's parameters from HF tensors (a dict, FlatWeights views or an ``HFFolder``),
+        converted and copied one tensor at a time: only this rank's tensors are read."""
+        params = self._named_params()
+        tied_out = self.layout.tied_embeddings and "output_layer.weight" in params
+        want = set(params) | ({"embedding.word_embeddings.weight"} if tied_out else set())
+        seen = set()
+        with torch.no_grad():
+            for name, t in iter_hf_to_megatron(hf, self.layout, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                               ep_size=self.cfg.expert_model_parallel_size, ep_rank=self.ep_rank,
+                                               layers=self._global_layers, keep=want.__contains__):
+                targets = [name, "output_layer.weight"] if tied_out and name == "embedding.word_embeddings.weight" else [name]
+                for n in targets:
+                    p = params.get(n)
+                    if p is None:
+                        continue
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"weights: no tensor of shape {tuple(p.shape)} for {n}")
+                    p.copy_(t.to(p.dtype))
+                    seen.add(n)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"weights: nothing for {missing[:3]}")
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
 
     def _set_params(self, mine: dict[str, torch.Tensor]) -> None:
         """Copy this rank's parameters in, by global Megatron name, each of its exact shape."""
@@ -660,13 +793,11 @@ class MegatronTrainer:
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log pi_theta of each next token, [B, L-1], from vocab-parallel logits [B, L, V/tp], at the
-        sampling temperature (``algo.rollout``), as the engine scored the tokens it drew."""
-        lg = logits[:, :-1].float() / self.algo.rollout.temperature
-        if self._pad_cols is not None:
-            lg = lg.masked_fill(self._pad_cols, float("-inf"))
-        # vocab_parallel_cross_entropy works in place on fp32 input: hand it its own copy.
-        ce = vocab_parallel_cross_entropy(lg.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous())
-        return -ce.transpose(0, 1)
+        sampling temperature (``algo.rollout``), as the engine scored the tokens it drew; a chunk
+        of ``logprob_chunk_tokens`` tokens at a time (``cellrunner.megatron_logprobs``)."""
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        return chunked_token_logprobs(logits, targets, temperature=self.algo.rollout.temperature,
+                                      pad_cols=self._pad_cols, chunk_tokens=self.cfg.logprob_chunk_tokens, group=group)
 
     @staticmethod
     def _count(totals: torch.Tensor, stats: LossStats, batch: PackedBatch) -> None:

@@ -66,6 +66,34 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     return model
 
 
+def initial_weights(cfg: ModelConfig, vocab_size: int, dtype: WeightsDtype = "float32") -> FlatWeights:
+    """Version 0 as a Megatron core exports it (HF names, experts per expert, in
+    ``megatron_convert.hf_names`` order), without building a model for a checkpoint: each tensor
+    is read from ``model.path`` (either expert layout, ``HFFolder``) straight into one flat
+    buffer of ``dtype``. transformers 5 would build a Qwen3-MoE with its experts fused, so a
+    satellite that flattened that model would start from other names than the core's export.
+    Without a path it is the seeded init (``build_model``), cast."""
+    from cellrunner.megatron_convert import HFFolder, hf_shapes, layout_from_hf
+
+    layout = layout_from_hf(hf_config(cfg, vocab_size), pad_to=1, tp_size=1, layer_spec="local")
+    specs, offset = [], 0
+    for name, shape in hf_shapes(layout).items():
+        specs.append(TensorSpec(name=name, shape=list(shape), offset=offset))
+        offset += int(np.prod(shape, dtype=np.int64))
+    flat = torch.empty(offset, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    source = HFFolder(cfg.path) if cfg.path else dict(build_model(cfg, vocab_size).named_parameters())
+    with torch.no_grad():
+        for spec in specs:
+            if spec.name not in source:
+                raise ValueError(f"model.path: {cfg.path} has no tensor {spec.name}")
+            t = source[spec.name]
+            if list(t.shape) != spec.shape:
+                raise ValueError(f"model.path: {spec.name} has shape {list(t.shape)}, the config says {spec.shape}")
+            flat[spec.offset : spec.offset + t.numel()] = t.reshape(-1)
+    data = flat.view(torch.int16).numpy().view(np.uint16) if flat.dtype == torch.bfloat16 else flat.numpy()
+    return FlatWeights(0, tuple(specs), data)
+
+
 def max_positions(cfg: ModelConfig) -> int:
     """The longest sequence the model takes: the checkpoint's ``max_position_embeddings``, else the config's."""
     return hf_folder.read_config(cfg.path)["max_position_embeddings"] if cfg.path else cfg.max_position_embeddings

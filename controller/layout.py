@@ -172,9 +172,6 @@ def check_layout(req: LayoutRequest) -> Layout:
     engine = _engine_rules(req, broken)
     memory = _memory_rules(req, broken)
     not_built = []
-    if req.trainer == "megatron" and req.trainer_ep > 1:
-        not_built.append("weights: the Megatron trainer does not gather experts over EP ranks for export yet "
-                         "(cellrunner/megatron_trainer.py weights(): use EP=1)")
     return _result(req, broken, trainer, engine, memory, not_built)
 
 

@@ -24,6 +24,10 @@ are ``shared/notes/cpu-stack.md`` §3). ``install()`` patches exactly those plac
 10. MoE: ``TopKRouter.gating`` moves the router weight to ``torch.cuda.current_device()``
    -> module-local torch. (The MoE router's other 0.16.1 problem, an undefined
    ``te_general_gemm`` without Transformer Engine, is not CPU-specific: the trainer fixes it.)
+11. MoE with expert parallelism: ``MoEAlltoAllTokenDispatcher.__init__`` makes a
+   ``torch.cuda.Stream()`` for its device-to-host copies -> module-local torch, whose
+   ``cuda.Stream`` is an inert stand-in. Enough to build and export an EP model; its forward
+   pass still needs CUDA (the dispatcher's all-to-all runs on that stream).
 
 "Module-local torch" replaces the name ``torch`` inside the listed megatron modules only with a
 proxy that forwards everything to the real torch but maps a ``cuda`` device to ``cpu`` in the
@@ -59,6 +63,7 @@ PROXIED_MODULES = (
     "megatron.core.tensor_parallel.random",  # 2 torch.cuda.get_rng_state / manual_seed
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # 9 inv_freq.to(current_device())
     "megatron.core.transformer.moe.router",  # 10 router weight .to(current_device())
+    "megatron.core.transformer.moe.token_dispatcher",  # 11 the all-to-all dispatcher's stream
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like")
 
@@ -90,6 +95,12 @@ class _CudaAsCpu:
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+    class Stream:
+        """Shim 11: a stream nothing runs on (torch.cuda.Stream raises without CUDA)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)

@@ -64,7 +64,9 @@ def algo_cfg(**over) -> AlgoConfig:
 def megatron_cfg(tp: int = 1) -> MegatronConfig:
     return MegatronConfig(kind="megatron", tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                           expert_model_parallel_size=1, params_dtype="float32", layer_spec="local", pad_vocab_to=128,
-                          offload_when_serving=False, moe_aux_loss_coeff=0.0, command_timeout_s=3600.0)
+                          offload_when_serving=False, moe_aux_loss_coeff=0.0, command_timeout_s=3600.0,
+                          local_attention="sdpa", recompute_granularity="none", recompute_method="uniform",
+                          recompute_num_layers=1, logprob_chunk_tokens=16)
 
 
 def make_shard(seed: int, *, step: int = 0, num_seqs: int = 4, on_policy_from: EmbeddedTrainer | None = None) -> wire.Shard:
@@ -100,12 +102,12 @@ def both_logprobs(meg: MegatronTrainer, emb: EmbeddedTrainer, batch) -> tuple[to
 
 
 def megatron_grads_as_hf(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
-    """The accumulated gradient in HF names (the same mapping as the weights)."""
+    """The accumulated gradient in HF names (the same mapping and export as the weights)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     finalize_model_grads([trainer.model])
-    grads = trainer._local_state(lambda p: p.main_grad.detach().clone())
-    return trainer._to_hf(grads)
+    flat = trainer._export(lambda p: p.main_grad.detach(), dtype=torch.float32, everywhere=True)
+    return {s.name: flat[s.offset : s.offset + int(np.prod(s.shape))].view(*s.shape) for s in trainer.specs}
 
 
 # ---------------------------------------------------------------- conversion

@@ -80,3 +80,19 @@ def test_the_embedded_engine_is_the_leaders_alone(tmp_path):
     assert isinstance(make_engine(cell_cfg(tmp_path), 300, 1), EmbeddedEngine)
     engine = make_engine(cell_cfg(tmp_path, "engine=sglang"), 300, 1)  # one process: its one server
     assert isinstance(engine, SGLangEngine) and engine.urls == [engine.url] and engine.url.startswith("http://")
+
+
+def test_each_part_meets_at_its_servers_first_node(tmp_path):
+    """The rendezvous of server k is its first node's address, on a port of its own."""
+    from cellrunner.backends import _part_process
+
+    cfg = cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "engine.nnodes=2", "engine.tp_size=4", SHARED,
+                   "cluster.host=127.0.0.1")
+    hosts = [f"10.0.0.{1 + r // 2}" for r in range(8)]  # 4 nodes x 2 ranks, one address a node
+    got = []
+    for r in (2, 6):  # node 1 joins server 0, node 3 joins server 1
+        part = serving_part(cfg, ranks(r, 8, 2))
+        proc = _part_process(cfg, 300, 1, ranks(r, 8, 2), part, hosts, "")
+        got.append((proc.server, proc.node_rank, proc.dist_init_addr))
+    port = cfg.engine.dist_init_port
+    assert got == [(0, 1, f"10.0.0.1:{port}"), (1, 1, f"10.0.0.3:{port + 1}")]

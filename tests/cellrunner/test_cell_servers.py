@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,18 +42,19 @@ KEY = "cd" * 32  # the worker's engine key
 NUM_RANKS = 3  # one node of three one-GPU ranks: three TP1 servers (cellrunner.servers)
 
 
-def start_ranks(tmp_path: Path) -> list[subprocess.Popen]:
+def start_ranks(tmp_path: Path, *overrides: str, world: int = NUM_RANKS, per_node: int = NUM_RANKS,
+                weight_dir: Path | None = None) -> list[subprocess.Popen]:
     cfg = cellrunner_config(load(
-        "trainer=megatron", "engine=sglang", f"cluster.ranks_per_node={NUM_RANKS}", "cluster.host=127.0.0.1",
-        f"engine.weight_dir={tmp_path / 'weights'}", "engine.startup_timeout_s=60", "engine.poll_interval_s=0.02",
-        "engine.request_timeout_s=30", "engine.flush_cache_timeout_s=30",
+        "trainer=megatron", "engine=sglang", f"cluster.ranks_per_node={per_node}", "cluster.host=127.0.0.1",
+        f"engine.weight_dir={weight_dir or tmp_path / 'weights'}", "engine.startup_timeout_s=60",
+        "engine.poll_interval_s=0.02", "engine.request_timeout_s=30", "engine.flush_cache_timeout_s=30", *overrides,
     ), checkpoint_dir=tmp_path / "ck", log_dir=tmp_path / "logs")
     cfg_path = tmp_path / "cell.json"
     cfg_path.write_text(json.dumps(cfg))
     port = free_port()
     procs = []
-    for rank in range(NUM_RANKS):
-        env = {**os.environ, **rank_env(rank=rank, world_size=NUM_RANKS, ranks_per_node=NUM_RANKS,
+    for rank in range(world):
+        env = {**os.environ, **rank_env(rank=rank, world_size=world, ranks_per_node=per_node,
                                         master_addr="127.0.0.1", master_port=port),
                "PYTHONPATH": os.pathsep.join([str(STANDIN), str(ROOT)]), "OMP_NUM_THREADS": "1",
                "FAKE_SGLANG_RECORD": str(tmp_path / "record-{port}.json")}
@@ -188,3 +191,34 @@ def test_a_cell_serves_through_all_its_servers_and_the_proxy_routes_among_them(t
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_a_server_over_two_nodes_is_joined_by_its_second_nodes_rank(tmp_path):
+    """Two one-rank nodes, a server over both: rank 1 starts the second node's part, which joins
+    the first with SGLang's own multi-node flags; the leader drives the one HTTP front."""
+    # The config refuses /tmp for servers over nodes (node-local on a cluster); these "nodes" are
+    # one machine, so any other folder is shared.
+    weights = Path(tempfile.mkdtemp(prefix="gyre-test-weights-", dir="/var/tmp"))
+    procs = start_ranks(tmp_path, "engine.nnodes=2", "engine.tp_size=2", world=2, per_node=1, weight_dir=weights)
+    try:
+        leader = wait_for(tmp_path / "leader.json", procs)
+        assert len(leader["urls"]) == 1 and leader["version"] == 2
+        front = record(tmp_path, leader["urls"][0])
+        (joiner,) = [json.loads(p.read_text()) for p in tmp_path.glob("record-*.json")
+                     if json.loads(p.read_text())["argv"] != front["argv"]]
+        flags = [dict(zip(r["argv"], r["argv"][1:])) for r in (front, joiner)]
+        assert [(f["--nnodes"], f["--node-rank"]) for f in flags] == [("2", "0"), ("2", "1")]
+        assert flags[0]["--dist-init-addr"] == flags[1]["--dist-init-addr"] == "127.0.0.1:29700"  # the first node's
+        assert [x["version"] for x in front["loaded"]] == ["0", "1", "2"] and front["released"] == []
+        assert joiner["calls"] == []  # SGLang drives a server's other nodes itself
+        (tmp_path / "stop").touch()
+        final = wait_for(tmp_path / "final.json", procs)
+        assert final["after_kill"] == "ok" and final["versions_after_kill"] == [3]
+        for rank, p in enumerate(procs):
+            assert p.wait(timeout=60) == 0, f"rank {rank}: {rank_log(procs, rank)}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        shutil.rmtree(weights, ignore_errors=True)

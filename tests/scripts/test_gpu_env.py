@@ -109,6 +109,10 @@ def test_mooncake_is_the_build_for_sglangs_cuda():
                  ["optional-dependencies"]["cpu"] if r.startswith("mooncake")]
     # The same Mooncake release as the CPU build the tests run: the same API.
     assert [str(Requirement(r).specifier) for r in cpu_build] == [str(have[mooncakes[0]].specifier)]
+    # pip install '.[gpu]' names the same builds as make gpu-env.
+    extra = GR.tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    for r in map(Requirement, extra):
+        assert GR.name_of(r.name) in have and str(have[GR.name_of(r.name)].specifier) == str(r.specifier), r
 
 
 def test_the_gpu_set_has_every_dependency_gyre_imports():

@@ -37,7 +37,8 @@ class HealthConfig:
 
     enabled: bool
     zero_advantage_steps: int
-    """Warn when this many steps in a row had every advantage 0 (and again at each multiple)."""
+    """Warn when this many steps in a row had every advantage 0 (and again at 2x, 4x, ... that:
+    a run frozen for an hour says so a handful of times, not every N steps)."""
     window: int
     """Steps of history the KL and grad-norm medians are taken over."""
     min_history: int
@@ -100,7 +101,8 @@ def observe(cfg: HealthConfig, state: HealthState, ev: dict[str, Any]) -> tuple[
 
     zero = ev.get("adv_zero_fraction")
     streak = state.zero_streak + 1 if _num(zero) and zero >= 1.0 else 0
-    if streak and streak % cfg.zero_advantage_steps == 0:
+    n = streak // cfg.zero_advantage_steps
+    if streak and streak % cfg.zero_advantage_steps == 0 and n & (n - 1) == 0:  # at N, 2N, 4N, ...
         out.append(HealthWarning("zero_advantage_streak", step, float(streak), float(cfg.zero_advantage_steps),
                                  f"step {step}: {streak} steps in a row with every advantage 0 (each group's runs "
                                  "alike): nothing is being learned"))

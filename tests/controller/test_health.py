@@ -37,19 +37,20 @@ def test_the_shipped_thresholds_build_and_a_healthy_run_is_quiet():
     assert run(c, [healthy(s, rng) for s in range(2000)]) == []
 
 
-def test_zero_advantage_streak_at_n_steps_and_each_multiple():
+def test_zero_advantage_streak_at_n_steps_then_each_doubling():
     c = cfg(zero_advantage_steps=5)
     rng = random.Random(1)
     events = [healthy(s, rng) for s in range(20)]
-    events += [{**healthy(s, rng), "adv_zero_fraction": 1.0, "grad_norm": 0.0} for s in range(20, 32)]
+    events += [{**healthy(s, rng), "adv_zero_fraction": 1.0, "grad_norm": 0.0} for s in range(20, 62)]
     warnings = run(c, events)
     assert [(w.signal, w.step, w.value) for w in warnings] == [
-        ("zero_advantage_streak", 24, 5.0), ("zero_advantage_streak", 29, 10.0)]
+        ("zero_advantage_streak", 24, 5.0), ("zero_advantage_streak", 29, 10.0),
+        ("zero_advantage_streak", 39, 20.0), ("zero_advantage_streak", 59, 40.0)]
     assert "5 steps in a row with every advantage 0" in warnings[0].message
     # An almost-zero step (one execution of four with an advantage) breaks the streak; the next
     # five in a row make a new one.
     events[26]["adv_zero_fraction"] = 0.75
-    assert [w.step for w in run(c, events)] == [24, 31]
+    assert [w.step for w in run(c, events)] == [24, 31, 36, 46]
 
 
 def test_kl_spike_against_the_rolling_median_and_the_floor():

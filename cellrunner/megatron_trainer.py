@@ -691,6 +691,7 @@ class MegatronTrainer:
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta(self.hf_config),
         )
         gpt.to(self.device)
+        log.info("megatron: attention %s, recompute %s", self.attention_backend, self.cfg.recompute_granularity)
         self._global_layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
         self.model = DistributedDataParallel(
             self.tconfig,

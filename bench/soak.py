@@ -26,8 +26,14 @@ Prints one JSON object last:
   gradients the step counted (a lost cell's microsteps are trained again and not counted twice);
 - ``recovery_s``: per kind of kill, the median and the longest time from the kill to the next
   step applied (a restart in place, or a new attempt's start and resume: what a kill costs);
+- ``core_kills_resumed``: each core kill against ``gyre``'s own resume before the controller was
+  next killed (``every_core_kill_resumed_by_gyre``);
+- ``train_reward_by_5min``: the mean training reward of the steps applied in each 5 minutes, and
+  whether the last 5 minutes are not below minutes 5-10 (a collapse shows there);
 - ``eval_reward_end``: the last attempt's end eval; ``final_version``; ``orphans``: processes
   of a dead attempt still alive 60 s after it ended (killed then, and counted).
+
+``python -m bench.soak --report RUNS_DIR`` prints the same object for a soak kept in ``RUNS_DIR``.
 """
 
 from __future__ import annotations
@@ -265,6 +271,94 @@ def latest_version(run_dir: Path) -> int:
     return ckpt.version if ckpt else 0
 
 
+# ------------------------------------------------------------------ figures
+
+
+APPLIED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .* applied -> version (\d+) \(reward ([-\d.e]+)")
+RESUMED_BY_GYRE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*gyre: resuming at step")
+
+
+def _wall(stamp: str, millis: str) -> float:
+    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+
+
+def reward_over_time(run_dir: Path, started_wall: float, minutes: float, bin_s: float = 300.0) -> list[float | None]:
+    """The mean training reward of the steps applied in each ``bin_s`` of the soak (from the
+    controller's ``step N applied -> version V (reward R, ...)`` lines, every attempt's), until
+    ``minutes``: a collapse shows as a late bin far below an early one."""
+    bins: list[list[float]] = [[] for _ in range(max(1, int(round(minutes * 60 / bin_s))))]
+    for line in (run_dir / "controller.log").read_text(errors="replace").splitlines():
+        m = APPLIED.match(line)
+        if m:
+            k = int((_wall(m[1], m[2]) - started_wall) // bin_s)
+            if 0 <= k < len(bins):
+                bins[k].append(float(m[4]))
+    return [round(statistics.fmean(b), 3) if b else None for b in bins]
+
+
+def core_kills_resumed(kills: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """Each core kill against ``gyre``'s own resume (``run.auto_resume``: its controller logs
+    ``gyre: resuming at step``) before the next kill of the controller (which ends the attempt; the
+    soak's restart is not gyre's resume). A core kill in the chaos's last minute has no time to."""
+    resumes = [_wall(m[1], m[2]) for m in map(RESUMED_BY_GYRE.match,
+               (run_dir / "controller.log").read_text(errors="replace").splitlines()) if m]
+    controller_kills = sorted(k["wall"] for k in kills if k["kind"] == "controller")
+    last_kill = max((k["wall"] for k in kills), default=0.0)
+    out = {"core_kills": 0, "resumed_by_gyre": 0, "controller_killed_first": 0, "too_late": 0, "not_resumed": 0}
+    for k in (k for k in kills if k["kind"] == "core"):
+        out["core_kills"] += 1
+        until = min((w for w in controller_kills if w > k["wall"]), default=float("inf"))
+        if any(k["wall"] < w < until for w in resumes):
+            out["resumed_by_gyre"] += 1
+        elif until < float("inf"):
+            out["controller_killed_first"] += 1
+        elif last_kill - k["wall"] < 60:
+            out["too_late"] += 1
+        else:
+            out["not_resumed"] += 1
+    out["every_core_kill_resumed_by_gyre"] = out["not_resumed"] == 0
+    return out
+
+
+def summarize(run_dir: Path, attempts: list[dict[str, Any]], kills: list[dict[str, Any]], *, started_wall: float,
+              minutes: float, orphans: Any) -> dict[str, Any]:
+    """What the soak checks and measures, from its run folder (see the module docstring)."""
+    slices = segments(events_by_attempt(run_dir, attempts))
+    ok, line, problems = check_versions(slices)
+    answered, logged = answered_calls(run_dir), logged_calls(run_dir)
+    evals = [e for e in slices[-1] if e.get("kind") == "eval"]
+    rewards = reward_over_time(run_dir, started_wall, minutes)
+    early, late = rewards[1] if len(rewards) > 2 else None, rewards[-1]
+    return {
+        "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
+        "attempts": len(attempts), "attempt_exit_codes": [a.get("rc") for a in attempts],
+        "resumes": sum(1 for s in slices for e in s if e.get("kind") == "resumed"),
+        "core_kills_resumed": core_kills_resumed(kills, run_dir),
+        "versions_applied_once": ok, "version_problems": problems[:5], "final_version": len(line),
+        "records_lost": len(answered - logged), "answered_calls": len(answered),
+        "shards_trained_twice": shards_trained_twice(slices),
+        "recovery_s": recovery(kills, applied_times(run_dir)),
+        "processor_restarts": sum(1 for s in slices for e in s if e.get("kind") == "service_restarted"),
+        "train_reward_by_5min": rewards,
+        "reward_last_5min_not_below_5_to_10": None if early is None or late is None else late >= early,
+        "eval_reward_end": evals[-1].get("reward") if evals else None,
+        "last_attempt_rc": attempts[-1].get("rc"), "orphans": orphans, "minutes": minutes, "run_dir": str(run_dir),
+    }
+
+
+def report(runs: Path) -> dict[str, Any]:
+    """``summarize`` a soak kept in ``runs`` (its ``--runs-dir``): its ``soak.json`` and run folder."""
+    saved = json.loads((runs / "soak.json").read_text())
+    (run_dir,) = [p for p in runs.iterdir() if p.is_dir() and p.name.startswith("soak-")]
+    started = saved.get("started_wall")
+    if started is None:  # a soak from before started_wall was saved: its controller log's first line
+        first = (run_dir / "controller.log").read_text(errors="replace").splitlines()[0]
+        started = _wall(*first[:23].split(","))
+    minutes = saved.get("minutes") or round((max(k["wall"] for k in saved["kills"]) - started) / 60)
+    return summarize(run_dir, saved["attempts"], saved["kills"], started_wall=started, minutes=minutes,
+                     orphans=saved.get("orphans"))
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -277,7 +371,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--keep", action="store_true", help="keep the run folder (with --runs-dir it is always kept)")
     ap.add_argument("--no-kills", action="store_true",
                     help="no chaos: the same run and checks without a kill, to compare training against")
+    ap.add_argument("--report", type=Path, default=None, metavar="RUNS_DIR",
+                    help="no run: the checks and figures of a soak kept in RUNS_DIR (its --runs-dir)")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        result = report(args.report)
+        print(json.dumps(result))
+        return result
     low, high = (float(x) for x in args.kill_every.split(","))
     if not 0 < low <= high or args.minutes <= 0:
         ap.error("--kill-every LOW,HIGH with 0 < LOW <= HIGH, and --minutes > 0")
@@ -288,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = Path(tmp)
     runs.mkdir(parents=True, exist_ok=True)
     soak = Soak(runs.resolve(), f"soak-{args.seed}-{int(time.time())}", random.Random(args.seed))
+    started_wall = time.time()
     t0 = time.monotonic()
     deadline = t0 + args.minutes * 60
     stop = threading.Event()
@@ -315,24 +416,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         final_steps = latest_version(soak.run_dir) + 2
         soak.start(f"run.steps={final_steps}", "run.eval_at_end=true")
         soak.end_attempt()
-        (soak.runs / "soak.json").write_text(json.dumps({"attempts": soak.attempts, "kills": soak.kills}))
-        slices = segments(events_by_attempt(soak.run_dir, soak.attempts))
-        ok, line, problems = check_versions(slices)
-        answered, logged = answered_calls(soak.run_dir), logged_calls(soak.run_dir)
-        evals = [e for e in slices[-1] if e.get("kind") == "eval"]
-        result = {
-            "kills": len(soak.kills), "kills_by_kind": dict(Counter(k["kind"] for k in soak.kills)),
-            "attempts": len(soak.attempts), "attempt_exit_codes": [a.get("rc") for a in soak.attempts],
-            "resumes": sum(1 for s in slices for e in s if e.get("kind") == "resumed"),
-            "versions_applied_once": ok, "version_problems": problems[:5], "final_version": len(line),
-            "records_lost": len(answered - logged), "answered_calls": len(answered),
-            "shards_trained_twice": shards_trained_twice(slices),
-            "recovery_s": recovery(soak.kills, applied_times(soak.run_dir)),
-            "processor_restarts": sum(1 for s in slices for e in s if e.get("kind") == "service_restarted"),
-            "eval_reward_end": evals[-1].get("reward") if evals else None,
-            "last_attempt_rc": soak.attempts[-1].get("rc"), "orphans": soak.orphans,
-            "minutes": round((time.monotonic() - t0) / 60, 1), "run_dir": str(soak.run_dir),
-        }
+        (soak.runs / "soak.json").write_text(json.dumps({
+            "attempts": soak.attempts, "kills": soak.kills, "started_wall": started_wall, "minutes": args.minutes,
+            "orphans": soak.orphans}))
+        result = summarize(soak.run_dir, soak.attempts, soak.kills, started_wall=started_wall,
+                           minutes=args.minutes, orphans=soak.orphans)
+        result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
     finally:
         stop.set()
         if soak.proc is not None and soak.proc.poll() is None:

@@ -3,6 +3,8 @@ real embedded default with kills every few seconds, whose invariants must hold."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench import soak
@@ -55,6 +57,33 @@ def test_recovery_is_the_time_to_the_next_applied_step():
 
 
 @pytest.mark.e2e
+def _log_line(wall: float, text: str) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))
+    return f"{stamp},{int(wall * 1000) % 1000:03d} INFO controller.controller: {text}"
+
+
+def test_reward_over_time_bins_the_applied_steps_and_shows_a_collapse(tmp_path):
+    t0 = 1_800_000_000.0
+    lines = [_log_line(t0 + 60 * m, f"step {m} applied -> version {m + 1} (reward {0.6 if m < 10 else 0.0:.3f}, 8 executions)")
+             for m in range(20)]
+    (tmp_path / "controller.log").write_text("\n".join(lines) + "\n")
+    assert soak.reward_over_time(tmp_path, t0, minutes=20) == [0.6, 0.6, 0.0, 0.0]
+
+
+def test_each_core_kill_is_matched_with_gyres_own_resume(tmp_path):
+    t0 = 1_800_000_000.0
+    kills = [{"kind": "core", "wall": t0 + 10}, {"kind": "core", "wall": t0 + 100}, {"kind": "controller", "wall": t0 + 105},
+             {"kind": "core", "wall": t0 + 300}, {"kind": "proxy", "wall": t0 + 700}]
+    # the first is resumed by gyre; the second's attempt loses its controller first (the soak's
+    # restart resumes at 150, which is not gyre's own); the third is never resumed
+    lines = [_log_line(t0 + 40, "gyre: resuming at step 5 from the core's checkpoint"),
+             _log_line(t0 + 150, "gyre: resuming at step 9 from the core's checkpoint")]
+    (tmp_path / "controller.log").write_text("\n".join(lines) + "\n")
+    got = soak.core_kills_resumed(kills, tmp_path)
+    assert got == {"core_kills": 3, "resumed_by_gyre": 1, "controller_killed_first": 1, "too_late": 0,
+                   "not_resumed": 1, "every_core_kill_resumed_by_gyre": False}
+
+
 def test_a_short_soak_holds_its_invariants(tmp_path):
     out = soak.main(["--minutes", "1.0", "--kill-every", "6,10", "--seed", "3", "--runs-dir", str(tmp_path)])
     assert out["kills"] >= 4, out
@@ -64,3 +93,5 @@ def test_a_short_soak_holds_its_invariants(tmp_path):
     assert out["shards_trained_twice"] == 0, out
     assert isinstance(out["eval_reward_end"], float), out
     assert out["recovery_s"] and all(0 < r["median"] <= r["max"] for r in out["recovery_s"].values()), out
+    assert out["train_reward_by_5min"] and out["core_kills_resumed"]["not_resumed"] == 0, out
+    assert soak.report(tmp_path)["final_version"] == out["final_version"]  # the same figures from the kept folder

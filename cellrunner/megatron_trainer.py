@@ -586,15 +586,31 @@ class MegatronTrainer:
                 buf.add_(torch.from_numpy(g[offset : offset + n]).to(buf.device, buf.dtype).view_as(buf))
             buf.div_(float(num_executions))
             offset += n
-        ok, norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("optimizer step skipped: non-finite gradients")
+        if self._all_zero(buffers):
+            # Every advantage 0: no data behind the step. Adam would still move every weight along
+            # its decaying first moment, and the next real update would come out oversized (the
+            # embedded trainer skips it the same way: tests/cellrunner/test_zero_advantage.py).
+            log.info("step to version %d: the gradient is zero everywhere, optimizer step skipped", self.version + 1)
+            norm = 0.0
+        else:
+            ok, norm, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError("optimizer step skipped: non-finite gradients")
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.num_microsteps = 0
         self.version += 1
         # Only the cell's rank 0 publishes the new version: the others return None, not a full copy.
         return self.weights(everywhere=False), float(norm if norm is not None else 0.0)
+
+    @staticmethod
+    def _all_zero(buffers: list[torch.Tensor]) -> bool:
+        """The cell's whole gradient is zero (all ranks agree: every rank calls this)."""
+        nonzero = torch.tensor([float(any(bool(b.any()) for b in buffers))],
+                               device=buffers[0].device if buffers else "cpu")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
+        return not bool(nonzero.item())
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@ bit for bit (moments, step count, every group setting), not only its next update
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,3 +51,22 @@ def test_a_resumed_megatron_core_has_the_checkpointed_optimizer_bit_for_bit(tmp_
                     assert torch.equal(sg[key], t), (i, key)
                 else:
                     assert sg[key] == t, (i, key)
+
+
+def test_a_megatron_step_with_every_advantage_zero_moves_nothing(tmp_path):
+    """No data behind the step: the weights, moments and step count stay; the version advances."""
+    cfg, algo = model_cfg(), algo_cfg(eps_low=0.2, eps_high=10.0)
+    t = MegatronTrainer(model_cfg=cfg, algo=algo, vocab_size=VOCAB, is_core=True, megatron=megatron_cfg())
+    t.start(None)
+    t.microstep(make_shard(1))
+    t.apply([], num_executions=4)  # one real step: the moments are not zero
+    before_w, before_opt = t.local_weights().data.copy(), optimizer_state(t)
+    zero = make_shard(2, step=1)
+    zero = dataclasses.replace(zero, sequences=[dataclasses.replace(s, advantage=0.0) for s in zero.sequences])
+    t.microstep(zero)
+    _, norm = t.apply([], num_executions=4)
+    assert norm == 0.0 and t.version == 2
+    assert (t.local_weights().data == before_w).all()
+    for (_, states_w), (_, states_g) in zip(before_opt, optimizer_state(t)):
+        for sw, sg in zip(states_w, states_g):
+            assert all(torch.equal(sg[k], v) if isinstance(v, torch.Tensor) else sg[k] == v for k, v in sw.items())

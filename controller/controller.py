@@ -37,7 +37,7 @@ from controller.step_stats import StepFigures
 from controller.steps import StepCoordinator
 from controller.typed_config import to_dict
 from harness_proxy.auth import write_secret
-from workloads.parts import build_parts
+from workloads.parts import build_parts, cgroup_run_name
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Controller:
         self.step_figures = StepFigures()
         # What the run works on and through what (task set, harness, sandbox): built before any
         # process starts, so a missing harness binary or sandbox stops the run here.
-        self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox, run_name=run_dir.name)
+        self.parts = build_parts(cfg.workload, cfg.harness, cfg.sandbox, run_name=cgroup_run_name(run_dir))
         self.train_tasks, self.eval_tasks = self.parts.taskset.split()
         self.rng = random.Random(cfg.run.seed)
         self.secret = secrets.token_bytes(32)

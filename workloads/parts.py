@@ -7,9 +7,11 @@ execution it launches.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from workloads.api import HarnessAdapter, Sandbox, TaskSet
@@ -39,6 +41,14 @@ class RunParts:
 
 class PartsError(RuntimeError):
     """One line: what is missing and how to get it."""
+
+
+def cgroup_run_name(run_dir: Path) -> str:
+    """The run's cgroup name: its folder's name and a hash of the folder's whole path, so two runs of
+    one ``run.run_id`` in other runs folders on a node never share (and tear down) one cgroup, while
+    every attempt of one run (a resume in the same folder) gets the same."""
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return f"{run_dir.name[:80]}-{digest}"
 
 
 def build_parts(workload: WorkloadConfig, harness: HarnessConfig, sandbox: SandboxConfig, *,

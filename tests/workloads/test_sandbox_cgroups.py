@@ -451,3 +451,15 @@ def test_v2_in_the_root_cgroup_needs_no_leaf(fake_v2, tmp_path):
     assert not (fake_v2.root / "gyre-run5.controller").exists()
     support.cleanup()
     assert not (fake_v2.root / "gyre-run5").exists()
+
+
+def test_runs_of_one_run_id_in_two_runs_folders_get_two_cgroups(tmp_path):
+    """Two soaks started in the same second with one seed shared ``gyre-<run_id>``: the first to end
+    removed the other's cgroup under it."""
+    from workloads.parts import cgroup_run_name
+    from workloads.sandbox.cgroups import NAME_PATTERN
+
+    a, b = tmp_path / "a" / "soak-0-1796524970", tmp_path / "b" / "soak-0-1796524970"
+    assert cgroup_run_name(a) != cgroup_run_name(b)
+    assert cgroup_run_name(a) == cgroup_run_name(tmp_path / "a" / "." / "soak-0-1796524970")  # a resume: the same
+    assert NAME_PATTERN.fullmatch(cgroup_run_name(tmp_path / ("x" * 200)))

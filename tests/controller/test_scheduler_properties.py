@@ -117,7 +117,7 @@ def core_of(view: SchedulerView) -> CellView:
     return next(c for c in view.cells if c.is_core)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(snapshots())
 def test_training_demand_is_never_ignored(snap):
     view, cfg = snap
@@ -131,7 +131,7 @@ def test_training_demand_is_never_ignored(snap):
     assert went or reserved  # the core goes now, or its slots drain so that it can
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(snapshots())
 def test_the_core_goes_to_train_whenever_the_others_hold_the_running_work(snap):
     view, cfg = snap

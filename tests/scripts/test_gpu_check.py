@@ -47,7 +47,8 @@ def test_the_cycle_around_serving_ends_in_a_step_with_a_gradient(tmp_path):
     assert out["offloaded"] and out["weights_after_stop_equal"]
     assert list(out["ops"]) == ["stop", "weights", "checkpoint", "start", "step"]
     for op in out["ops"].values():
-        assert op["s"] > 0 and op["s_per_billion"] == pytest.approx(op["s"] / (out["parameters"] / 1e9), rel=1e-2)
+        billions = out["parameters"] / 1e9  # "s" is rounded to 0.1 ms: a fast op's ratio moves by that much
+        assert op["s"] > 0 and op["s_per_billion"] == pytest.approx(op["s"] / billions, rel=1e-2, abs=0.6e-4 / billions)
         assert op["billion_within_heartbeat_timeout_s"] > 0
     assert out["nonzero_grad"] and out["grad_l2"] > 0 and out["step_tokens"] > 0
     assert Path(out["checkpoint"]) == tmp_path / "ckpt" / f"v{core.version}" and out["checkpoint_bytes"] > 0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")
+import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
 from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg  # noqa: E402
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")
+import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
 from controller.checkpoints import latest_checkpoint  # noqa: E402
 from tests.cellrunner.test_megatron_trainer import (  # noqa: E402  (imports the CPU shims first)

@@ -34,23 +34,23 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")  # noqa: E402
+import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
-from tests.cellrunner import megatron_cpu_shims  # noqa: E402
-from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
+from tests.cellrunner import megatron_cpu_shims
+from tests.cellrunner.rank_workers import run_ranks
 
 megatron_cpu_shims.install()
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from cellrunner.config import ModelConfig  # noqa: E402
-from cellrunner.gspo import pack  # noqa: E402
-from cellrunner.megatron_convert import HFFolder, load_hf_safetensors, save_hf_safetensors  # noqa: E402
-from cellrunner.megatron_logprobs import chunked_token_logprobs  # noqa: E402
-from cellrunner.megatron_trainer import MegatronTrainer  # noqa: E402
-from cellrunner.model import initial_weights  # noqa: E402
-from controller.typed_config import build  # noqa: E402
-from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg  # noqa: E402
+from cellrunner.config import ModelConfig
+from cellrunner.gspo import pack
+from cellrunner.megatron_convert import HFFolder, load_hf_safetensors, save_hf_safetensors
+from cellrunner.megatron_logprobs import chunked_token_logprobs
+from cellrunner.megatron_trainer import MegatronTrainer
+from cellrunner.model import initial_weights
+from controller.typed_config import build
+from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg
 
 
 def moe_hf_config():

@@ -29,26 +29,26 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")  # noqa: E402
+import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
-from tests.cellrunner import megatron_cpu_shims  # noqa: E402
-from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
+from tests.cellrunner import megatron_cpu_shims
+from tests.cellrunner.rank_workers import run_ranks
 
 megatron_cpu_shims.install()
 
-from cellrunner.config import ModelConfig  # noqa: E402
-from cellrunner.gspo import gspo_loss, pack, token_logprobs  # noqa: E402
-from cellrunner.megatron_convert import (  # noqa: E402
+from cellrunner.config import ModelConfig
+from cellrunner.gspo import gspo_loss, pack, token_logprobs
+from cellrunner.megatron_convert import (
     hf_names, hf_shapes, hf_to_megatron, layout_from_hf, megatron_names, megatron_to_hf,
 )
-from cellrunner.config import MegatronConfig  # noqa: E402
-from cellrunner.megatron_trainer import MegatronTrainer  # noqa: E402
-from cellrunner.model import hf_config  # noqa: E402
-from cellrunner.trainer import EmbeddedTrainer  # noqa: E402
-from controller import wire  # noqa: E402
-from controller.checkpoints import Checkpoint, latest_checkpoint  # noqa: E402
-from controller.typed_config import build  # noqa: E402
-from trajectory.config import AlgoConfig  # noqa: E402
+from cellrunner.config import MegatronConfig
+from cellrunner.megatron_trainer import MegatronTrainer
+from cellrunner.model import hf_config
+from cellrunner.trainer import EmbeddedTrainer
+from controller import wire
+from controller.checkpoints import Checkpoint, latest_checkpoint
+from controller.typed_config import build
+from trajectory.config import AlgoConfig
 
 VOCAB = 300  # not a multiple of 128 x TP: the padded rows are exercised
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is in the [test] extra")
+import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
 from tests.cellrunner.test_megatron_offload_export import trained_core  # noqa: E402  (installs the shims)
 from tests.cellrunner.test_megatron_trainer import VOCAB, make_shard  # noqa: E402

@@ -38,7 +38,7 @@ def tree_signature(records) -> list[tuple[str, int, tuple[int, ...]]]:
     for r in records:
         tree.insert(r)
     return sorted((t.kind, t.num_policy_tokens,
-                   tuple(np.concatenate([e.tokens[e.policy_mask()] for e in t.edges]).tolist()))
+                   tuple(np.concatenate([e.tokens[e.policy_mask().astype(bool)] for e in t.edges]).tolist()))
                   for t in tree.trajectories())
 
 
@@ -107,27 +107,47 @@ def run_restarted(proxy: LiveProxy, hold: HoldOnce, run) -> None:
     assert stats["restored"]["executions"] == 1 and stats["restored"]["calls"] >= 2
 
 
-# ---------------------------------------------------------------- Qwen Code: no agent header
+# ---------------------------------------------------------------- the real harnesses
 
 
-def test_qwen_code_restart_mid_sub_agent_keeps_lineage_splices_and_the_tree(tmp_path: Path):
-    assert QWEN_BIN.exists(), "run `make qwen-code`"
+def run_qwen_code(work: Path, env_of) -> None:
+    run_qwen("Create hello.txt, edit it, and have a sub-agent write sub.txt.", cwd=work, env=qwen_env(*env_of("ex-qwen")))
+
+
+def run_claude_code(work: Path, env_of) -> None:
+    run_claude(CLAUDE_TASK, cwd=work, env=claude_env(*env_of("ex-cc")))
+
+
+HARNESSES = {
+    # Qwen Code sends no agent header: the proxy derives every line, so a restart must bring them back.
+    "qwen_code": (QWEN_BIN, "run `make qwen-code`", QwenCodingScript, run_qwen_code, ["main", "sub-agent"]),
+    # Claude Code names its agents, and echoes the tool_use ids the proxy minted.
+    "claude_code": (CLAUDE_BIN, "run `make claude-code`", CodingScript, run_claude_code, None),
+}
+
+
+@pytest.mark.parametrize("harness", sorted(HARNESSES))
+def test_a_restart_mid_sub_agent_keeps_lineage_splices_and_the_tree(harness: str, tmp_path: Path):
+    binary, install, make_script, run, kinds = HARNESSES[harness]
+    assert binary.exists(), install
     trees, lines = [], []
     for restart in (False, True):
         home, work = fresh_dirs(tmp_path)  # the same paths for both runs: the script writes them in its calls
-        script = QwenCodingScript(work)
+        script = make_script(work)
         proxy = LiveProxy(num_engines=1, max_request_bytes=8 << 20, max_context_tokens=400_000,
                           max_new_tokens_cap=4096)
         try:
             # The sub-agent's first call is held at the engine: the restart falls between its two calls.
             hold = HoldOnce(script, "sub-agent")
             proxy.engines[0].policy = hold if restart else script
-            env = qwen_env(home, proxy.url, mint_token(SECRET, "ex-qwen"))
-            task = "Create hello.txt, edit it, and have a sub-agent write sub.txt."
+
+            def go() -> None:
+                run(work, lambda execution_id: (home, proxy.url, mint_token(SECRET, execution_id)))
+
             if restart:
-                run_restarted(proxy, hold, lambda: run_qwen(task, cwd=work, env=env))
+                run_restarted(proxy, hold, go)
             else:
-                run_qwen(task, cwd=work, env=env)
+                go()
             assert (work / "sub.txt").read_text() == "sub-agent was here\n"
             records = call_records(proxy.recv_all(settle_ms=1000))
         finally:
@@ -135,38 +155,9 @@ def test_qwen_code_restart_mid_sub_agent_keeps_lineage_splices_and_the_tree(tmp_
         assert [r.call_index for r in records] == list(range(len(records)))  # no index restarts at 0
         trees.append(tree_signature(records))
         lines.append(line_signature(records))
-    assert [k for k, _, _ in trees[0]] == ["main", "sub-agent"]
-    assert trees[1] == trees[0]
-    assert lines[1] == lines[0]
-
-
-# ---------------------------------------------------------------- Claude Code: agent headers
-
-
-def test_claude_code_restart_mid_sub_agent_keeps_lineage_splices_and_the_tree(tmp_path: Path):
-    assert CLAUDE_BIN.exists(), "run `make claude-code`"
-    trees, lines = [], []
-    for restart in (False, True):
-        home, work = fresh_dirs(tmp_path)  # the same paths for both runs: the script writes them in its calls
-        script = CodingScript(work)
-        proxy = LiveProxy(num_engines=1, max_request_bytes=8 << 20, max_context_tokens=400_000,
-                          max_new_tokens_cap=4096)
-        try:
-            hold = HoldOnce(script, "sub-agent")
-            proxy.engines[0].policy = hold if restart else script
-            env = claude_env(home, proxy.url, mint_token(SECRET, "ex-cc"))
-            if restart:
-                run_restarted(proxy, hold, lambda: run_claude(CLAUDE_TASK, cwd=work, env=env))
-            else:
-                run_claude(CLAUDE_TASK, cwd=work, env=env)
-            assert (work / "sub.txt").read_text() == "sub-agent was here\n"
-            records = call_records(proxy.recv_all(settle_ms=1000))
-        finally:
-            proxy.close()
-        assert [r.call_index for r in records] == list(range(len(records)))
-        trees.append(tree_signature(records))
-        lines.append(line_signature(records))
     assert "sub-agent" in [k for k, _, _ in trees[0]]
+    if kinds is not None:  # Qwen Code's script: one main line and one sub-agent, nothing else
+        assert [k for k, _, _ in trees[0]] == kinds
     assert trees[1] == trees[0]
     assert lines[1] == lines[0]
 

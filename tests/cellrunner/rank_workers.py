@@ -13,6 +13,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def leave() -> None:
+    """End a worker rank that finished its work as ``cellrunner.main`` ends a multi-rank cell: at
+    once. The interpreter's teardown of a gloo process group whose peer has already left can abort
+    ("terminate called without an active exception", exit -6); that is not what a test checks."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
 from tests.cellrunner import megatron_cpu_shims
-from tests.cellrunner.rank_workers import run_ranks
+from tests.cellrunner.rank_workers import leave, run_ranks
 
 megatron_cpu_shims.install()
 
@@ -355,3 +355,4 @@ def test_chunked_logprobs_equal_the_whole_block_and_hold_one_chunk(dtype):
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker-ep":
     worker_ep(sys.argv[2], sys.argv[3])
+    leave()

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
 from tests.cellrunner import megatron_cpu_shims
-from tests.cellrunner.rank_workers import run_ranks
+from tests.cellrunner.rank_workers import leave, run_ranks
 
 megatron_cpu_shims.install()
 
@@ -440,3 +440,4 @@ def worker(tp: int) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     worker(int(sys.argv[2]))
+    leave()

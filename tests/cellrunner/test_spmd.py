@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
     sys.path.insert(0, str(ROOT))
 
 from cellrunner.spmd import COMMANDS, CommandError, decode_command, encode_command  # noqa: E402
-from tests.cellrunner.rank_workers import run_ranks  # noqa: E402
+from tests.cellrunner.rank_workers import leave, run_ranks  # noqa: E402
 
 APPLY = {"step": 3, "satellites": [1, 2], "num_executions": 8, "timeout_s": 5.0}
 
@@ -88,3 +88,4 @@ def worker() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     worker()
+    leave()

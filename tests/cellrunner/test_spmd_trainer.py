@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # when run as a worker script
 
 import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
-from tests.cellrunner.rank_workers import run_ranks
+from tests.cellrunner.rank_workers import leave, run_ranks
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
@@ -172,3 +172,4 @@ def worker(tp: int, ckpt_dir: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
     worker(int(sys.argv[2]), sys.argv[3])
+    leave()

@@ -55,13 +55,15 @@ class CellRunnerConfig:
     resume_version: int
 
 
-def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool) -> Any:
-    """The trainer ``cfg.trainer.kind`` names; megatron-core is imported only when chosen."""
+def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool, *, multi_rank: bool = False) -> Any:
+    """The trainer ``cfg.trainer.kind`` names; megatron-core is imported only when chosen.
+    ``multi_rank``: the cell has several ranks (every rank of it passes the same)."""
     if isinstance(cfg.trainer, MegatronConfig):
         from cellrunner.megatron_trainer import MegatronTrainer
 
         return MegatronTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
-                               megatron=cfg.trainer, seed=cfg.seed)
+                               megatron=cfg.trainer, seed=cfg.seed,
+                               export_dtype=core_export_dtype(cfg, trainers_pull=not multi_rank))
     return EmbeddedTrainer(model_cfg=cfg.model, algo=cfg.algo, vocab_size=vocab_size, is_core=is_core,
                            device_s_per_token=cfg.trainer.device_s_per_token)
 
@@ -179,11 +181,27 @@ def serving_dtype(cfg: CellRunnerConfig) -> WeightsDtype:
     return "bfloat16" if isinstance(engine, SGLangConfig) and engine.dtype == "bfloat16" else "float32"
 
 
+def trainer_dtype(cfg: CellRunnerConfig) -> WeightsDtype:
+    """What a satellite's trainer starts from: its parameters' own dtype (Megatron's
+    ``params_dtype``; the embedded trainer computes in float32). A bf16 model's float32 copy
+    would only be wider, at twice the bytes."""
+    trainer = cfg.trainer
+    return "bfloat16" if isinstance(trainer, MegatronConfig) and trainer.params_dtype == "bfloat16" else "float32"
+
+
 def whole_model_dtypes(cfg: CellRunnerConfig, *, trainers_pull: bool) -> tuple[WeightsDtype, ...]:
-    """What the core's whole-model publisher is asked for: the engines' serving dtype, and float32
-    where satellites' trainers start from the whole model (single-rank cells; a multi-rank
-    satellite pulls each rank's own shard instead, ``cellrunner.rank_weights``)."""
-    return tuple(dict.fromkeys((*(("float32",) if trainers_pull else ()), serving_dtype(cfg))))
+    """What the core's whole-model publisher is asked for: the engines' serving dtype, and the
+    trainer's where satellites' trainers start from the whole model (single-rank cells; a
+    multi-rank satellite pulls each rank's own shard instead, ``cellrunner.rank_weights``)."""
+    return tuple(dict.fromkeys((*((trainer_dtype(cfg),) if trainers_pull else ()), serving_dtype(cfg))))
+
+
+def core_export_dtype(cfg: CellRunnerConfig, *, trainers_pull: bool) -> WeightsDtype:
+    """The dtype the core assembles its whole model in, once per version: the widest the
+    publisher hands out. Where only serving engines take the whole model (a multi-rank core),
+    that is the serving dtype, so a bf16 server's core never builds a float32 copy on rank 0."""
+    dtypes = whole_model_dtypes(cfg, trainers_pull=trainers_pull)
+    return "float32" if "float32" in dtypes else "bfloat16"
 
 
 def make_weight_publisher(cfg: CellRunnerConfig, ctx: zmq.Context, *, serving: bool = False,

@@ -68,7 +68,7 @@ def run_follower(cfg: Any, cell_id: int, ranks: CellRanks, vocab_size: int, api_
     serving: list[Any] = []  # this rank's part of a server, once started
     stop_on_signal(lambda: [p.stop() for p in serving], done)
     is_core = cell_id == cfg.core_cell
-    trainer = make_trainer(cfg, vocab_size, is_core=is_core)
+    trainer = make_trainer(cfg, vocab_size, is_core=is_core, multi_rank=True)  # a follower's cell has several ranks
     channel = CommandChannel(timeout_s=cfg.trainer.command_timeout_s)  # a multi-rank cell is Megatron
     # The core's ranks each take their peers' gradients and publish their own shards; the
     # leader tells the controller where (the same collective calls as its own).

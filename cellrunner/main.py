@@ -35,7 +35,7 @@ import zmq
 
 from cellrunner.backends import (
     CellRunnerConfig, check_ranks, make_engine, make_rank_links, make_trainer, make_weight_publisher,
-    make_weight_puller, serving_dtype,
+    core_export_dtype, make_weight_puller, serving_dtype, trainer_dtype,
 )
 from cellrunner.config import MegatronConfig
 from cellrunner.errors import BackendUnavailable
@@ -156,7 +156,7 @@ class CellRunner:
                                 cfg.heartbeat_interval_s)
         self.ctl = self.link.sock
         self.vocab_size = vocab_rows(cfg.model)
-        self.trainer = make_trainer(cfg, self.vocab_size, self.is_core)
+        self.trainer = make_trainer(cfg, self.vocab_size, self.is_core, multi_rank=self.ranks.is_multi_rank)
         channel = None
         if self.ranks.is_multi_rank:  # the followers build theirs, then open the channel with us
             # check_ranks: a multi-rank cell is trainer=megatron, whose config has the timeout
@@ -199,13 +199,7 @@ class CellRunner:
             self.core_weights_addr = self.weight_server.addr
         else:
             self.weight_puller = make_weight_puller(self.cfg, self.ctx)
-            # A Megatron core exports per-expert HF names whatever transformers builds: read them.
-            initial = (initial_weights(self.cfg.model, self.vocab_size) if isinstance(self.cfg.trainer, MegatronConfig)
-                       else flatten_params(build_model(self.cfg.model, self.vocab_size), 0))
-            if isinstance(self.cfg.trainer, MegatronConfig) and self.cfg.trainer.params_dtype == "bfloat16":
-                # The core's version 0 is its bf16 parameters: start from the same values (a bf16
-                # checkpoint loses nothing; a float32 one is rounded here as the core rounded it).
-                initial = FlatWeights(0, initial.specs, to_bf16(initial).tensor().float().numpy())
+            initial = satellite_initial(self.cfg, self.vocab_size, trainers_pull=not self.ranks.is_multi_rank)
         self.engine.start()
         self.engine.resume(initial)
         self.phase = "serving"
@@ -379,13 +373,13 @@ class CellRunner:
             self.trainer.start_from_peers(self.core_rank_weights_addrs, min_version=version,
                                           timeout_s=self.cfg.transfer_timeout_s)
             return time.perf_counter() - t0
-        weights = self.fetch_weights(version)
+        weights = self.fetch_weights(version, trainer_dtype(self.cfg))
         pulled = time.perf_counter() - t0
         self.trainer.start(weights)
         return pulled
 
-    def fetch_weights(self, version: int, dtype: wire.WeightsDtype = "float32") -> FlatWeights:
-        """Version >= ``version`` from the core: float32 for a trainer, the engine's dtype for serving."""
+    def fetch_weights(self, version: int, dtype: wire.WeightsDtype) -> FlatWeights:
+        """Version >= ``version`` from the core: the trainer's dtype for a trainer, the engine's for serving."""
         assert self.weight_puller is not None, "only satellites pull weights"
         return self.weight_puller.pull(self.core_weights_addr, version, self.cfg.transfer_timeout_s, dtype)
 
@@ -424,6 +418,24 @@ class CellRunner:
             self.weight_puller.close()
         self.link.close()
         curve.stop()
+
+
+def satellite_initial(cfg: CellRunnerConfig, vocab_size: int, *, trainers_pull: bool) -> FlatWeights:
+    """Version 0 as a satellite's engine starts from it without asking the core: the same values,
+    in the same dtype, as the core's first export, so their digests agree (``CellReady``)."""
+    # A Megatron core exports per-expert HF names whatever transformers builds: read them.
+    initial = (initial_weights(cfg.model, vocab_size) if isinstance(cfg.trainer, MegatronConfig)
+               else flatten_params(build_model(cfg.model, vocab_size), 0))
+    if trainer_dtype(cfg) == "bfloat16":
+        # The core's version 0 is its bf16 parameters: start from the same values (a bf16
+        # checkpoint loses nothing; a float32 one is rounded here as the core rounded it).
+        initial = to_bf16(initial)
+    export = core_export_dtype(cfg, trainers_pull=trainers_pull)
+    if export == "bfloat16" and initial.dtype != "bfloat16":  # what the core's bf16 export rounds to
+        initial = to_bf16(initial)
+    elif export == "float32" and initial.dtype != "float32":  # bf16 values, widened exactly
+        initial = FlatWeights(0, initial.specs, initial.tensor().float().numpy())
+    return initial
 
 
 def main() -> None:

@@ -292,13 +292,16 @@ class MegatronTrainer:
     """One cell's Megatron replica. Methods and return values as ``EmbeddedTrainer``'s."""
 
     def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool,
-                 megatron: MegatronConfig, seed: int = 0):
+                 megatron: MegatronConfig, seed: int = 0, export_dtype: WeightsDtype = "float32"):
         if _IMPORT_ERROR is not None:
             raise MegatronUnavailable(f"{INSTALL_HINT} (import failed: {_IMPORT_ERROR})")
         if algo.tree_packing:
             raise ValueError("algo.tree_packing is implemented by the embedded trainer only; "
                              "set algo.tree_packing=false with trainer=megatron")
         self.model_cfg, self.algo, self.vocab_size, self.is_core, self.cfg = model_cfg, algo, vocab_size, is_core, megatron
+        self.export_dtype: WeightsDtype = export_dtype
+        """What ``weights()`` and ``apply()`` hand the cell's publisher (``backends.core_export_dtype``):
+        every rank of the cell must agree, as each sends its tensors in it."""
         ensure_process_groups(megatron, seed=seed)
         self.hf_config = hf_config(model_cfg, vocab_size)  # the checkpoint's own with model.path
         self.layout = layout_from_hf(self.hf_config, pad_to=megatron.pad_vocab_to,
@@ -394,9 +397,9 @@ class MegatronTrainer:
         float32 export is only wider) and takes half the bytes of float32 for a bf16 model."""
         return "bfloat16" if self.tconfig.params_dtype == torch.bfloat16 else "float32"
 
-    def weights(self, *, everywhere: bool = True, dtype: WeightsDtype = "float32") -> FlatWeights | None:
-        """The full model in the HF layout, in ``dtype`` (float32: what the cell's transfer hands
-        trainers; ``params_weights_dtype`` for the smallest exact copy). ``everywhere``: on every
+    def weights(self, *, everywhere: bool = True, dtype: WeightsDtype | None = None) -> FlatWeights | None:
+        """The full model in the HF layout, in ``dtype`` (by default ``export_dtype``: what the
+        cell's publisher hands out; ``params_weights_dtype`` for the smallest exact copy). ``everywhere``: on every
         rank of the cell; else only on the cell's rank 0, the one that publishes it (serving
         engines and satellites read it there), every other rank returning None.
 
@@ -408,7 +411,8 @@ class MegatronTrainer:
         # An offloaded core (it serves) exports from the host copies the offload keeps: its own
         # parameters' storage is freed. Each tensor visits the device only for its own collectives
         # (the serving engine holds the GPU).
-        flat = self._export(lambda p: self._values(p).detach(), dtype=_TORCH_DTYPES[dtype], everywhere=everywhere)
+        flat = self._export(lambda p: self._values(p).detach(), dtype=_TORCH_DTYPES[dtype or self.export_dtype],
+                            everywhere=everywhere)
         if flat is None:
             return None
         data = flat.view(torch.int16).numpy().view(np.uint16) if flat.dtype == torch.bfloat16 else flat.numpy()

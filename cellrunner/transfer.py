@@ -1,7 +1,9 @@
 """Weights and gradients between cells over ZeroMQ: raw buffers behind a wire header.
 
-Weights go out as float32 (what a trainer starts from) or, asked for ``bfloat16``, as the serving
-copy an engine that serves in bf16 loads: half the bytes, made once per version on the core.
+Weights go out in the dtype the core exported them in (``backends.core_export_dtype``: float32, or
+bf16 where nobody needs more) or, asked for ``bfloat16``, as the serving copy an engine that
+serves in bf16 loads: half the bytes, made once per version on the core. A bf16 export is never
+widened: a float32 ask of one is refused, as no float32 copy of the model exists to send.
 
 The core serves its current weights to any cell that asks (satellites joining a step, serving
 cells loading a new version); satellites push gradient sums to the core. Frames are
@@ -99,7 +101,11 @@ class WeightServer:
                 msg = f"have version {have}, asked for >= {req.min_version}"
                 self._sock.send_multipart([ident, encode(ErrorReply(where="pull_weights", message=msg))])
                 continue
-            if req.dtype == "bfloat16":
+            if req.dtype != w.dtype:
+                if req.dtype == "float32":
+                    msg = f"the core publishes {w.dtype} weights; asked for {req.dtype}"
+                    self._sock.send_multipart([ident, encode(ErrorReply(where="pull_weights", message=msg))])
+                    continue
                 w = self._serving_copy(w)
             header = WeightsHeader(weight_version=w.version, num_elements=int(w.data.size), tensors=list(w.specs),
                                    dtype=w.dtype)

@@ -276,6 +276,9 @@ class MooncakeWeightPublisher:
 
     def publish(self, weights: FlatWeights) -> None:
         """Copy ``weights`` (and its bf16 copy) into the slots not offered now, then offer them. One thread only."""
+        if weights.dtype == "bfloat16" and "float32" in self._dtypes:
+            raise ValueError("publish: bf16 weights cannot fill float32 slots without inventing bits; the core "
+                             "exports float32 where anyone pulls it (cellrunner.backends.core_export_dtype)")
         target = 0 if self._latest is None else 1 - self._latest
         for dtype in self._dtypes:
             slot = self._slot(dtype, target, weights.num_elements)

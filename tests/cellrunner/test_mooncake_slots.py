@@ -55,7 +55,9 @@ def test_the_core_keeps_float32_whole_model_slots_only_for_trainers_that_pull_th
     cfg = cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "transfer=mooncake")
     # Multi-rank satellites train from each rank's own shard; single-rank ones from the whole model.
     assert whole_model_dtypes(cfg, trainers_pull=False) == ("bfloat16",)
-    assert whole_model_dtypes(cfg, trainers_pull=True) == ("float32", "bfloat16")
+    assert whole_model_dtypes(cfg, trainers_pull=True) == ("bfloat16",)  # bf16 Megatron satellites start from bf16
+    f32 = cell_cfg(tmp_path, "trainer=megatron", "engine=sglang", "transfer=mooncake", "trainer.params_dtype=float32")
+    assert whole_model_dtypes(f32, trainers_pull=True) == ("float32", "bfloat16")
     assert whole_model_dtypes(cell_cfg(tmp_path), trainers_pull=False) == ("float32",)  # the embedded engine
     pub = make_weight_publisher(cfg, ctx, serving=True, trainers_pull=False)
     shard = make_weight_publisher(cfg, ctx)  # a rank's own shard: what its peer's trainer loads

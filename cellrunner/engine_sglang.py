@@ -467,6 +467,9 @@ class SGLangEngine:
         self._config_json = model_config_json(model_cfg, vocab_size, cfg.dtype)
         self._weights_path = ""
         self._unreachable: set[str] = set()
+        self.down_urls: tuple[str, ...] = ()
+        """The servers whose load could not be read at the last ``num_running``: the cell's
+        heartbeat names them, and the controller stops routing to them until they answer."""
         self._pool = ThreadPoolExecutor(max_workers=min(len(self.servers), MAX_PARALLEL), thread_name_prefix="sglang")
 
     @property
@@ -552,7 +555,10 @@ class SGLangEngine:
 
         if self.process.proc is None:
             return 0
-        return sum(self._pool.map(load, self.servers))
+        total = sum(self._pool.map(load, self.servers))
+        # Replaced whole, never mutated: the heartbeat thread reads it while this one works.
+        self.down_urls = tuple(s.url for s in self.servers if s.url in self._unreachable)
+        return total
 
     # ------------------------------------------------------------ internals
 

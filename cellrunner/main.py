@@ -397,6 +397,7 @@ class CellRunner:
         return wire.Heartbeat(
             cell_id=self.cell_id, phase=self.phase, num_running=self.num_running,
             weight_version=max(self.current_version(), 0), rss_bytes=psutil.Process().memory_info().rss,
+            down_urls=list(getattr(self.engine, "down_urls", ())) if self.phase == "serving" else [],
         )
 
     def send(self, msg: wire.Message) -> None:

@@ -30,6 +30,8 @@ class Cell:
     engine_url: str = ""
     engine_urls: list[str] = field(default_factory=list)
     """Every server the cell serves through, ``engine_url`` first (``wire.CellReady.serving_urls``)."""
+    down_urls: frozenset[str] = frozenset()
+    """Its servers its last heartbeat said stopped answering: not routed to until they answer."""
     weights_addr: str = ""
     grads_addrs: list[str] = field(default_factory=list)
     """The core's ranks' gradient inboxes, in rank order."""
@@ -61,6 +63,15 @@ class Cell:
         self.phase_since = now
         self.timeline.append((now, phase))
 
+    def set_down(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """Take a heartbeat's ``down_urls`` (names of other cells' servers ignored); returns the
+        servers that (went down, came back)."""
+        own = self.engine_urls or [self.engine_url]
+        down = frozenset(urls) & frozenset(own)
+        went, back = sorted(down - self.down_urls), sorted(self.down_urls - down)
+        self.down_urls = down
+        return went, back
+
     def accounted(self, now: float) -> tuple[float, float]:
         """(served_s, trained_s) including the phase the cell is in now."""
         spent = now - self.phase_since
@@ -86,10 +97,10 @@ class CellRegistry:
         return [c for c in self.cells.values() if c.phase in phases]
 
     def routes(self) -> tuple[tuple[int, str, int], ...]:
-        """(cell id, server URL, weight version) of every server of every serving cell: the proxy
-        routes among all of them, a cell's servers alike."""
+        """(cell id, server URL, weight version) of every answering server of every serving cell:
+        the proxy routes among all of them, a cell's servers alike."""
         return tuple((c.cell_id, url, c.weight_version) for c in self.in_phase("serving")
-                     for url in (c.engine_urls or [c.engine_url]))
+                     for url in (c.engine_urls or [c.engine_url]) if url not in c.down_urls)
 
     def views(self, busy: set[int]) -> tuple[CellView, ...]:
         return tuple(

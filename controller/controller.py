@@ -481,6 +481,14 @@ class Controller:
         if cell is not None:
             cell.last_seen = time.monotonic()
             cell.num_running = msg.num_running
+            went, back = cell.set_down(msg.down_urls)
+            for url in went:
+                log.warning("cell %d: server %s stopped answering: no calls go to it until it answers",
+                            cell.cell_id, url)
+            for url in back:
+                log.info("cell %d: server %s answers again: calls go to it", cell.cell_id, url)
+            if went or back:
+                self.push_routing()
 
     def on_service_heartbeat(self, ident: bytes, msg: wire.ServiceHeartbeat) -> None:
         if self.identities.get(msg.peer) != ident:

@@ -129,9 +129,17 @@ class Heartbeat(Message):
     num_running: int
     weight_version: int
     rss_bytes: int = 0
+    down_urls: list[str] = field(default_factory=list)
+    """The cell's servers that stopped answering (a dead or hung SGLang server): the controller
+    leaves them out of the routing table until a later heartbeat no longer names them."""
 
     def check(self) -> None:
         _non_negative(cell_id=self.cell_id, num_running=self.num_running)
+        if len(self.down_urls) > MAX_CELL_SERVERS:
+            raise ValueError(f"down_urls: {len(self.down_urls)} servers, over {MAX_CELL_SERVERS}")
+        for i, url in enumerate(self.down_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"down_urls[{i}]: want an http:// URL, got {url!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -54,7 +54,10 @@ def lead(cfg: CellRunnerConfig, ranks, channel: CommandChannel, out: Path) -> No
         deadline = time.monotonic() + WAIT_S
         while not (out / "stop").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        # A server the test killed: the next switch says which one, and still reaches the others.
+        # A server the test killed: the load poll behind each heartbeat names it (the controller
+        # then stops routing to it); the next switch says which one, and still reaches the others.
+        engine.num_running()
+        report["down_urls"] = list(engine.down_urls)
         try:
             engine.update_weights(weights(cfg, 3))
             report["after_kill"] = "ok"

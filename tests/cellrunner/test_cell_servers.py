@@ -4,7 +4,8 @@ each (the SGLang stand-in, ``tests/support/sglang_standin``, real HTTP); the lea
 three URLs and sends every switch to all of them; the URLs travel in a real ``CellReady`` frame
 to the controller's cell registry, whose routes go in a ``RoutingTable`` to the real proxy; the
 proxy keeps a session on one server, spreads new sessions, and routes around a server that is
-killed, while the leader's next switch names the dead server and still reaches the others.
+killed, while the cell's load poll names the dead server for the controller's routes and the
+leader's next switch names it and still reaches the others.
 """
 
 from __future__ import annotations
@@ -182,6 +183,12 @@ def test_a_cell_serves_through_all_its_servers_and_the_proxy_routes_among_them(t
         final = wait_for(tmp_path / "final.json", procs)
         assert f"update_weights: 1 of {NUM_RANKS} server(s) failed: server {b} ({urls[b]})" in final["after_kill"]
         assert final["versions_after_kill"] == [2 if i == b else 3 for i in range(NUM_RANKS)]
+        # The cell's heartbeat names the dead server; the controller's routes leave it out.
+        beat = wire.decode(wire.encode(wire.Heartbeat(cell_id=1, phase="serving", num_running=0, weight_version=3,
+                                                      down_urls=final["down_urls"])))
+        assert beat.down_urls == [urls[b]]
+        assert cells.cells[1].set_down(beat.down_urls) == ([urls[b]], [])
+        assert [u for _, u, _ in cells.routes()] == [u for i, u in enumerate(urls) if i != b]
         for rank, p in enumerate(procs):
             assert p.wait(timeout=60) == 0, f"rank {rank}: {rank_log(procs, rank)}"
     finally:

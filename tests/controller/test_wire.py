@@ -105,3 +105,19 @@ def test_a_cell_names_all_its_servers_engine_url_first():
     ]:
         with pytest.raises(wire.ProtocolError, match=needle):
             wire.decode(_ready(engine_urls=urls))
+
+
+def test_a_heartbeat_names_the_servers_that_stopped_answering():
+    def beat(**over) -> bytes:
+        body = dict(cell_id=1, phase="serving", num_running=0, weight_version=2, **over)
+        return msgpack.packb([wire.PROTOCOL_VERSION, "heartbeat", body])
+
+    assert wire.decode(beat()).down_urls == []  # a cell that names none
+    assert wire.decode(beat(down_urls=["http://10.0.0.1:30001"])).down_urls == ["http://10.0.0.1:30001"]
+    for urls, needle in [
+        (["tcp://10.0.0.2:1"], r"down_urls\[0\]: want an http:// URL"),
+        ([f"http://h:{i}" for i in range(wire.MAX_CELL_SERVERS + 1)], "down_urls: 4097 servers"),
+        ("http://h:1", "heartbeat.down_urls: want list"),
+    ]:
+        with pytest.raises(wire.ProtocolError, match=needle):
+            wire.decode(beat(down_urls=urls))

@@ -150,22 +150,20 @@ class MegatronConfig:
     which lasts as long as the scheduler wants: torch's 30-minute default lost the followers of a
     cell that served longer. A leader that dies closes its connections and the wait ends at once,
     so a long timeout costs nothing there."""
-    # The fields below carry conf/trainer/megatron.yaml's values as defaults too, so a script that
-    # builds a MegatronConfig by hand (scripts/gpu_check.py) keeps working; the YAML rules a run.
-    local_attention: Literal["sdpa", "unfused"] = "sdpa"
+    local_attention: Literal["sdpa", "unfused"]
     """Core attention of ``layer_spec: local``: ``sdpa``, torch's fused scaled-dot-product attention
     (FlashAttention or the memory-efficient kernel on CUDA; ``cellrunner.megatron_attention``), or
     ``unfused``, megatron-core's own ``DotProductAttention`` (a full [b, heads, s, s] score matrix,
     quadratic in the sequence). ``layer_spec: transformer_engine`` uses TE's attention either way."""
-    recompute_granularity: Literal["none", "full", "selective"] = "full"
+    recompute_granularity: Literal["none", "full", "selective"]
     """Activation recompute (Megatron's ``recompute_granularity``): ``full`` keeps each recomputed
     layer's input only and runs the layer again in the backward pass; ``selective`` recomputes the
     core attention only (little to gain with ``sdpa``, which keeps no score matrix); ``none``."""
-    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_method: Literal["uniform", "block"]
     """With ``full``: ``uniform`` checkpoints every ``recompute_num_layers`` layers' input,
     ``block`` recomputes the first ``recompute_num_layers`` layers of each pipeline stage."""
-    recompute_num_layers: int = 1
-    logprob_chunk_tokens: int = 2048
+    recompute_num_layers: int
+    logprob_chunk_tokens: int
     """Tokens whose full-vocabulary float32 log-softmax exists at once when the trainer takes
     log-probs (``token_logprobs``): memory ``chunk x vocab/TP x 4`` bytes, not ``sequence x ...``."""
 

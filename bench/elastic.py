@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.simulate import FIT_RESULT, calibrate, embedded_setup
-from controller import wire
-from controller.typed_config import build
+from base import wire
+from base.typed_config import build
 from trajectory.log import AppendLog, decode_marker
 from workloads.config import WorkloadConfig
 from workloads.drift import run_shape

@@ -54,11 +54,11 @@ import yaml
 
 from cellrunner.config import ModelConfig
 from cellrunner.gspo import pack, token_logprobs
-from controller.typed_config import build
-from controller.wire import CallRecord, Lineage, Sequence
-from harness_proxy.tokenizer import QWEN3_SPECIALS
-from trajectory.advantages import group_advantages
-from trajectory.config import AlgoConfig
+from base.typed_config import build
+from base.wire import CallRecord, Lineage, Sequence
+from base.tokenizer import QWEN3_SPECIALS
+from base.advantages import group_advantages
+from base.algo_config import AlgoConfig
 from trajectory.samples import build_sequences
 from trajectory.sampling import select
 from trajectory.tree import TokenTree

@@ -8,7 +8,7 @@ rendered with ``harness_proxy.template`` exactly as the bundled harness + proxy 
 (system + user; later turns splice the policy's own output ids, then ``wrote N bytes to NAME``),
 temperature sampling with a KV-cached loop recording behaviour log-probs, rewards from
 ``workloads.graders.wordmap.similarity`` on what the harness would have left in the file,
-group-normalised advantages, ``controller.wire.Sequence`` objects (one trajectory per execution,
+group-normalised advantages, ``base.wire.Sequence`` objects (one trajectory per execution,
 ``token_weight`` = 1 / its policy tokens, targets = every generated id incl. ``<|im_end|>``), and
 ``cellrunner.gspo`` (pack, token_logprobs, gspo_loss), summed and divided by the step's
 executions, grad clip, one AdamW step per GSPO step. Every few steps it decodes the held-out eval
@@ -68,11 +68,11 @@ import yaml
 from cellrunner.config import ModelConfig
 from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import build_model
-from controller.typed_config import build
-from controller.wire import Sequence
+from base.typed_config import build
+from base.wire import Sequence
 from harness_proxy.template import generation_prompt, render_messages, render_turn, split_output
-from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
-from trajectory.config import AlgoConfig
+from base.tokenizer import QwenTokenizer, get_tokenizer
+from base.algo_config import AlgoConfig
 from workloads.config import WorkloadConfig
 from workloads.graders.wordmap import similarity
 from workloads.harness import SYSTEM_PROMPT, wrote_message

@@ -53,7 +53,7 @@ from cellrunner.engine import EmbeddedEngine
 from cellrunner.model import build_model, flatten_params
 from harness_proxy import anthropic_api
 from harness_proxy.template import generation_prompt, render_messages, render_turn
-from harness_proxy.tokenizer import get_tokenizer
+from base.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAUDE_BIN = ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.processor [--small] [--executions 16] [--repeats 5] [--billing-header]
 
 What is measured, on one group of Claude-Code-shaped executions (``bench.fixtures``) encoded as
-wire frames (``controller.wire.encode``), each stage timed alone and repeated (medians):
+wire frames (``base.wire.encode``), each stage timed alone and repeated (medians):
 
 - ``decode``: ``wire.decode(frame, expect=(CallRecord, ExecutionSealed))`` for every frame
   (MessagePack + per-field validation);
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.fixtures import algo_config, executions, median, preset, run_info
-from controller.wire import CallRecord, ExecutionSealed, Grade, decode, encode
+from base.wire import CallRecord, ExecutionSealed, Grade, decode, encode
 from trajectory.log import AppendLog
 from trajectory.processor import Processor, ProcessorService
 

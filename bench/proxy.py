@@ -71,9 +71,9 @@ import orjson
 import psutil
 import zmq
 
-from controller import wire
-from harness_proxy.auth import mint_token, write_secret
-from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
+from base import wire
+from base.execution_token import mint_token, write_secret
+from base.tokenizer import QwenTokenizer, get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_VENV = ROOT / ".venv-litellm"

@@ -72,9 +72,9 @@ from bench.proxy import (
     MODEL, TOOLS, Filler, Http, Processes, free_port, open_conversation, percentile, run_info, scripted_output,
     start_on_loopback, take_records, wait_ready_file,
 )
-from controller import wire
-from harness_proxy.auth import mint_token, read_secret
-from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
+from base import wire
+from base.execution_token import mint_token, read_secret
+from base.tokenizer import QwenTokenizer, get_tokenizer
 
 TOKENIZER = "qwen"
 FIRST_TOKENS = 3_000

@@ -87,7 +87,7 @@ import yaml
 from controller.bounds import makespan_bound, serving_bound, throughput_what_if
 from controller.simulator import Release, RunSource, SimResult, pool_source, simulate
 from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.config import WorkloadConfig
 from workloads.drift import run_shape
 from workloads.harness import think_times

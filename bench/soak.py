@@ -56,7 +56,7 @@ from typing import Any
 
 import psutil
 
-from controller import wire
+from base import wire
 from trajectory.log import AppendLog, decode_marker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def logged_calls(run_dir: Path) -> set[str]:
 
 
 def latest_version(run_dir: Path) -> int:
-    from controller.checkpoints import latest_checkpoint
+    from base.checkpoints import latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     return ckpt.version if ckpt else 0

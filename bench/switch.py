@@ -46,11 +46,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bench.fixtures import CONF, run_info
-from controller import curve, wire
+from base import curve, wire
 from controller.config import GyreConfig, build_config
 from controller.controller import cellrunner_config
 from controller.processes import log_tail, spawn, stop
-from controller.typed_config import to_dict
+from base.typed_config import to_dict
 
 WAIT_S = 120.0
 

@@ -69,8 +69,8 @@ from cellrunner.gspo import gspo_loss, pack
 from cellrunner.model import flatten_grads
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.tree_pack import packed_size, packed_token_logprobs, tree_chunks
-from controller.wire import CallRecord, ExecutionSealed, Grade, Shard, ShardReady
-from trajectory.config import AlgoConfig
+from base.wire import CallRecord, ExecutionSealed, Grade, Shard, ShardReady
+from base.algo_config import AlgoConfig
 from trajectory.processor import Processor
 
 

@@ -11,7 +11,7 @@ from other jobs on the shared cores hits them alike:
 - ``zmq``: ``ZmqWeightPuller`` = today's ``pull_weights`` (one DEALER request, the bytes in one
   frame, copied into a fresh array), i.e. what ``transfer=zmq`` does in a cell;
 - ``zmq_nocopy``: the same request, the frame's bytes used in place (nothing after the transfer);
-- ``zmq_curve``: ``zmq`` with CURVE on, as every run has it by default (controller.curve): the core's
+- ``zmq_curve``: ``zmq`` with CURVE on, as every run has it by default (base.curve): the core's
   server holds cell 0's key and admits the run's members through ZAP, the satellite holds cell 1's,
   a new connection (handshake included) per pull as in a cell; ``curve_cost`` in the JSON is its
   median over ``zmq``'s;
@@ -73,10 +73,10 @@ from cellrunner.transfer import TransferError, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import (
     DEFAULT_CHUNK_BYTES, MooncakeWeightPublisher, MooncakeWeightPuller, RegisteredBuffer,
 )
-from controller import curve
-from controller.typed_config import build
-from controller.wire import WEIGHT_ITEMSIZE, ErrorReply, PullWeights, WeightsHeader, WeightsOffer, decode, encode
-from harness_proxy.tokenizer import get_tokenizer
+from base import curve
+from base.typed_config import build
+from base.wire import WEIGHT_ITEMSIZE, ErrorReply, PullWeights, WeightsHeader, WeightsOffer, decode, encode
+from base.tokenizer import get_tokenizer
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent

@@ -59,8 +59,8 @@ from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import build_model, flatten_grads
 from cellrunner.trainer import split_by_tokens
 from cellrunner.tree_pack import packed_token_logprobs, plan, run_blocks, tree_chunks
-from controller.wire import Sequence
-from trajectory.config import AlgoConfig
+from base.wire import Sequence
+from base.algo_config import AlgoConfig
 
 METHODS: dict[str, dict[str, object] | None] = {
     "unrolled": None,  # the trainer's own path

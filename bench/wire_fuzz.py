@@ -52,7 +52,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from cellrunner.transfer import send_grads
-from controller import curve, engine_key, wire
+from base import curve, engine_key, wire
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY_TIMEOUT_MS = 10_000

@@ -14,16 +14,15 @@ from cellrunner.config import (
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.grads import GradExchange
 from cellrunner.rank_weights import RankWeights
-from cellrunner.ranks import CellRanks
-from cellrunner.servers import ServerPart, part_of_rank, placement_problem
+from base.ranks import CellRanks
+from cellrunner.servers import NODE_LOCAL_DIRS, ServerPart, engine_pp_of, part_of_rank, placement_problem
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import RankLinks
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller, WeightServer, ZmqWeightPuller
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
-from controller.layout import NODE_LOCAL_DIRS, engine_pp_of
-from controller.wire import WeightsDtype
-from trajectory.config import AlgoConfig
+from base.wire import WeightsDtype
+from base.algo_config import AlgoConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +129,7 @@ def _part_process(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: C
 def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks | None = None,
                 api_key: str = "", channel: CommandChannel | None = None) -> Any:
     """The leader's engine ``cfg.engine.kind`` names; both speak SGLang's native API to the proxy and
-    want ``api_key`` on every route but /health ("" = open; ``controller.engine_key``).
+    want ``api_key`` on every route but /health ("" = open; ``base.engine_key``).
 
     A multi-rank SGLang cell: collective with every follower's ``make_node_engine`` over
     ``channel`` (the nodes' addresses, then the servers' URLs), so the engine drives every server."""

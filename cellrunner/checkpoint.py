@@ -1,6 +1,6 @@
 """Writing and reading the core's checkpoints: weights and AdamW state of one version, so a
 requeued job resumes exactly. When to save and which one to resume from is the controller's
-call (controller.checkpoints, which also defines the folder layout).
+call (base.checkpoints, which also defines the folder layout).
 
 ``<checkpoint_dir>/v<N>/`` holds ``model.safetensors`` (HF names, what ``save_safetensors``
 writes), ``optimizer.safetensors`` (per parameter ``<name>.exp_avg`` and ``<name>.exp_avg_sq``)
@@ -23,8 +23,8 @@ import torch
 
 from cellrunner.engine import load_safetensors, save_safetensors
 from cellrunner.model import FlatWeights
-from controller.checkpoints import META_FILE, Checkpoint
-from controller.wire import TensorSpec
+from base.checkpoints import META_FILE, Checkpoint
+from base.wire import TensorSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 log = logging.getLogger(__name__)

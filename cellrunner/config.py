@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cellrunner.servers import NODE_LOCAL_DIRS
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelParallel:
@@ -223,7 +225,7 @@ class SGLangConfig:
             raise ValueError("startup_timeout_s, request_timeout_s, poll_interval_s: want > 0")
         if not self.weight_dir:
             raise ValueError("weight_dir: want a folder for weight updates")
-        if self.nnodes > 1 and self.weight_dir.startswith(("/dev/shm", "/tmp", "/run")):
+        if self.nnodes > 1 and self.weight_dir.startswith(NODE_LOCAL_DIRS):
             # Every node's ranks of the server load each version from weight_dir, which node 0 writes.
             raise ValueError(f"weight_dir: {self.weight_dir} is node-local, and a server spanning {self.nnodes} "
                              "nodes loads each version on every node; set engine.weight_dir to a shared folder")

@@ -35,8 +35,8 @@ from cellrunner import engine_batch
 from cellrunner.config import ModelConfig
 from cellrunner.engine_batch import BatchLoop, GenRequest
 from cellrunner.model import FlatWeights, build_model, load_flat, max_positions, num_elements
-from controller import engine_key
-from controller.wire import TensorSpec
+from base import engine_key
+from base.wire import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class EmbeddedEngine:
     ) -> None:
         """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning).
         `api_key`: every route but /health wants `Authorization: Bearer <api_key>` ("" = open),
-        as SGLang's --api-key (controller.engine_key)."""
+        as SGLang's --api-key (base.engine_key)."""
         if max_running < 1:
             raise ValueError(f"max_running: want >= 1, got {max_running}")
         self._model_cfg = model_cfg

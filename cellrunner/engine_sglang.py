@@ -63,7 +63,7 @@ import torch
 from cellrunner.errors import BackendUnavailable
 from cellrunner.config import ModelConfig, SGLangConfig
 from cellrunner.model import FlatWeights, hf_config
-from controller import engine_key
+from base import engine_key
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Ranks 1..n-1 of a multi-rank cell: build the same trainer, mirror the leader's calls.
 
 A follower never talks to the controller. It joins the cell's process group (the trainer's
-constructor does, ``env://`` from ``cellrunner.ranks``), opens the command channel, and runs
+constructor does, ``env://`` from ``base.ranks``), opens the command channel, and runs
 ``spmd_trainer.follow`` until the leader says ``exit``. The rank of a server's first GPU on a
 node runs its part of one of the cell's SGLang servers
 (``cellrunner.servers``: a whole server, or a node of one spanning several, ``--node-rank``); the
@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from cellrunner.backends import make_node_engine, make_rank_links, make_trainer
-from cellrunner.ranks import CellRanks
+from base.ranks import CellRanks
 from cellrunner.spmd import CommandChannel
 from cellrunner.spmd_trainer import follow
 

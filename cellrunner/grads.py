@@ -22,8 +22,8 @@ import zmq
 
 from cellrunner.spmd import Agree
 from cellrunner.transfer import recv_grads, send_grads
-from controller import curve
-from controller.wire import ProtocolError
+from base import curve
+from base.wire import ProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from controller.wire import Sequence
+from base.wire import Sequence
 
 
 @dataclass

@@ -12,7 +12,7 @@ socket from the same rank of every satellite (``cellrunner.grads``). Weights mov
 A cell may span several processes (``cluster.ranks_per_node``, Megatron: one per GPU). Rank 0 is
 this CellRunner, the cell's leader; the other ranks run ``cellrunner.follower`` and mirror its
 trainer calls (``cellrunner.spmd_trainer``). Which rank a process is comes from the launcher's
-environment (``cellrunner.ranks``).
+environment (``base.ranks``).
 
     python -m cellrunner.main --config-json F --cell-id N --controller tcp://H:P
 """
@@ -43,15 +43,15 @@ from cellrunner.grads import GradExchange
 from cellrunner.model import (
     FlatWeights, build_model, flatten_params, initial_weights, to_bf16, vocab_rows, weights_digest,
 )
-from cellrunner.ranks import CellRanks, ranks_from_env
+from base.ranks import CellRanks, ranks_from_env
 from cellrunner.spmd import CommandChannel, solo
 from cellrunner.spmd_trainer import LeaderTrainer
 from cellrunner.trainer import EmbeddedTrainer
 from cellrunner.transfer import WeightPublisher, WeightPuller
-from controller import curve, engine_key, wire
-from controller.checkpoints import Checkpoint
-from controller.lifecycle import exit_with_parent
-from controller.typed_config import build
+from base import curve, engine_key, wire
+from base.checkpoints import Checkpoint
+from base.lifecycle import exit_with_parent
+from base.typed_config import build
 
 log = logging.getLogger("cellrunner")
 
@@ -447,9 +447,9 @@ def main() -> None:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--cell-id", type=int, required=True)
     ap.add_argument("--controller", required=True)
-    ap.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
+    ap.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (base.curve); '' for plain sockets")
     ap.add_argument("--engine-key-file", default="",
-                    help="0600 file with the run's engine API key (controller.engine_key); '' for an open engine")
+                    help="0600 file with the run's engine API key (base.engine_key); '' for an open engine")
     args = ap.parse_args()
     with open(args.config_json) as f:
         cfg = build(CellRunnerConfig, json.load(f))

@@ -35,7 +35,7 @@ def qwen_tokenizer_json() -> str:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode  # ByteLevel BPE's byte alphabet
 
-    from harness_proxy.tokenizer import PAT_STR, QWEN3_SPECIALS, QWEN_NUM_RANKS, _ranks
+    from base.tokenizer import PAT_STR, QWEN3_SPECIALS, QWEN_NUM_RANKS, _ranks
 
     ranks = _ranks()
     chars = bytes_to_unicode()

@@ -60,9 +60,9 @@ from cellrunner.megatron_convert import (
 from cellrunner.megatron_logprobs import chunked_token_logprobs
 from cellrunner.model import FlatWeights, build_model, hf_config
 from cellrunner.trainer import MicrostepResult, split_by_tokens
-from controller.checkpoints import META_FILE, Checkpoint
-from controller.wire import Shard, TensorSpec, WeightsDtype
-from trajectory.config import AlgoConfig
+from base.checkpoints import META_FILE, Checkpoint
+from base.wire import Shard, TensorSpec, WeightsDtype
+from base.algo_config import AlgoConfig
 
 log = logging.getLogger(__name__)
 
@@ -619,7 +619,7 @@ class MegatronTrainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint_dir: str) -> str:
-        """This version under ``<checkpoint_dir>/v<N>/``, the layout of ``controller.checkpoints``:
+        """This version under ``<checkpoint_dir>/v<N>/``, the layout of ``base.checkpoints``:
         each rank of DP replica 0 writes its shard (parameters and Adam state) into a temporary
         folder; rank 0 adds the manifest and ``checkpoint.json`` last and renames the folder into
         place, so a job killed mid-write leaves the previous checkpoint the newest."""

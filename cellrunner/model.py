@@ -18,14 +18,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwe
 
 from cellrunner import hf_folder
 from cellrunner.config import ModelConfig
-from controller.wire import TensorSpec, WeightsDtype
+from base.wire import TensorSpec, WeightsDtype
 
 
 def vocab_rows(cfg: ModelConfig) -> int:
     """The model's embedding rows: the checkpoint's (padded past its tokenizer), else the tokenizer's."""
     if cfg.path:
         return hf_folder.vocab_rows(cfg.path)
-    from harness_proxy.tokenizer import get_tokenizer
+    from base.tokenizer import get_tokenizer
 
     return get_tokenizer(cfg.tokenizer, cfg.compact_ranks).vocab_size
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from cellrunner.gspo import PackedBatch, sequence_ratios
-from controller.wire import GroupStats
-from trajectory.advantages import advantage
+from base.wire import GroupStats
+from base.advantages import advantage
 
 
 @dataclass

@@ -6,7 +6,7 @@ independent servers, and the proxy routes among them. A server either spans ``se
 whole nodes (its ``tp*pp*dp`` GPUs fill them; SGLang's own ``--nnodes/--node-rank/--dist-init-addr``
 join the nodes), or sits on one node, where ``gpus_per_node / gpus_per_server`` of them share it,
 each from its own ``--base-gpu-id``. Servers are numbered node by node, as the cell's ranks are
-(``cellrunner.ranks``: one rank per GPU), and each part of a server is started by the rank of its
+(``base.ranks``: one rank per GPU), and each part of a server is started by the rank of its
 first GPU on that node. The part on a server's first node serves HTTP; rank 0, the cell's
 leader, always starts server 0's.
 """
@@ -14,6 +14,22 @@ leader, always starts server 0's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+NODE_LOCAL_DIRS = ("/dev/shm", "/tmp", "/run")
+"""Folders each node has its own of (cellrunner.config.SGLangConfig refuses them for multi-node servers)."""
+
+
+def engine_pp_of(extra_args: tuple[str, ...] | list[str]) -> int:
+    """SGLang's pipeline stages: Gyre's config has no field for them, so ``--pp-size`` travels in
+    ``engine.extra_args``."""
+    args = list(extra_args)
+    for i, a in enumerate(args):
+        for flag in ("--pp-size", "--pipeline-parallel-size"):
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    return 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from controller import wire
+from base import wire
 
 MAX_COMMAND_BYTES = wire.MAX_FRAME_BYTES
 

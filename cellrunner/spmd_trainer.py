@@ -33,8 +33,8 @@ from cellrunner.model import FlatWeights
 from cellrunner.rank_weights import RankWeights
 from cellrunner.spmd import Command, CommandChannel
 from cellrunner.trainer import MicrostepResult
-from controller import wire
-from controller.checkpoints import Checkpoint
+from base import wire
+from base.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import FlatWeights, build_model, flatten_grads, flatten_params, load_flat
 from cellrunner.run_release import RunReleasedGrads
 from cellrunner.tree_pack import packed_token_logprobs, tree_chunks
-from controller.wire import GroupStats, Sequence, Shard
-from trajectory.config import AlgoConfig
+from base.wire import GroupStats, Sequence, Shard
+from base.algo_config import AlgoConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import numpy as np
 import zmq
 
 from cellrunner.model import FlatWeights, to_bf16
-from controller import curve
-from controller.wire import (
+from base import curve
+from base.wire import (
     WEIGHT_ITEMSIZE, WEIGHT_NUMPY_DTYPE, ErrorReply, GradsHeader, ProtocolError, PullWeights, WeightsDtype, WeightsHeader, decode, encode,
 )
 

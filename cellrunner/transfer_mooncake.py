@@ -49,8 +49,8 @@ import zmq
 from cellrunner.errors import BackendUnavailable
 from cellrunner.model import FlatWeights, to_bf16
 from cellrunner.transfer import TransferError
-from controller import curve
-from controller.wire import (
+from base import curve
+from base.wire import (
     WEIGHT_ITEMSIZE, WEIGHT_NUMPY_DTYPE, CheckSlot, ErrorReply, Message, ProtocolError, PullWeights, SlotChecked, TensorSpec,
     WeightsDtype, WeightsOffer, decode, encode,
 )
@@ -85,7 +85,7 @@ class MooncakeUnavailable(BackendUnavailable):
 
 
 def decode_control(frame: bytes, *, expect: tuple[type[Message], ...]) -> Message:
-    """Decode one control frame (``controller.wire``) into one of ``expect``; ProtocolError otherwise."""
+    """Decode one control frame (``base.wire``) into one of ``expect``; ProtocolError otherwise."""
     if len(frame) > MAX_CONTROL_BYTES:
         raise ProtocolError(f"frame: {len(frame)} bytes is over the {MAX_CONTROL_BYTES} limit")
     return decode(frame, expect=expect)

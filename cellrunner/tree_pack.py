@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from controller.wire import Sequence
+from base.wire import Sequence
 
 Attention = Literal["segments", "mask"]
 

@@ -10,7 +10,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from controller.scheduler import CellView
-from controller.wire import CellPhase, Role
+from base.wire import CellPhase, Role
 
 PHASES: dict[str, tuple[str, ...]] = {
     "starting": ("serving", "dead"),

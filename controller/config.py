@@ -15,9 +15,9 @@ from cellrunner.config import (
 from cellrunner.hf_folder import check_folder
 from controller.health import HealthConfig
 from controller.loggers.config import LoggerConfig
-from controller.typed_config import build
+from base.typed_config import build
 from harness_proxy.config import ProxyConfig
-from trajectory.config import AlgoConfig
+from base.algo_config import AlgoConfig
 from workloads.config import HarnessConfig, SandboxConfig, WorkloadConfig
 
 
@@ -60,10 +60,10 @@ class ClusterConfig:
     """Address every process binds to; ``auto`` (slurm): each process's own node address."""
     controller_port: int
     curve: bool
-    """CURVE on every ZeroMQ socket between the run's processes (controller.curve)."""
+    """CURVE on every ZeroMQ socket between the run's processes (base.curve)."""
     curve_keys: str
     """'' for fresh keys per run attempt in ``runs/<id>/keys/``; else a folder made once with
-    ``python -m controller.curve DIR --cells N``."""
+    ``python -m base.curve DIR --cells N``."""
     torch_threads: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import zmq
 
-from controller import curve, engine_key, wire
+from base import curve, engine_key, wire
 from controller.cells import Cell, CellRegistry
-from controller.checkpoints import Checkpoint, due, latest_checkpoint, prune
+from base.checkpoints import Checkpoint, due, latest_checkpoint, prune
 from controller.config import GyreConfig
 from controller.health import HealthMonitor
 from controller.executions import Execution, ExecutionManager, ProxyEndpoint
@@ -35,8 +35,8 @@ from controller.scheduler import SchedulerView, decide, executions_at_apply, lau
 from controller.slurm_launch import SlurmCells, resolve_host
 from controller.step_stats import StepFigures
 from controller.steps import StepCoordinator
-from controller.typed_config import to_dict
-from harness_proxy.auth import write_secret
+from base.typed_config import to_dict
+from base.execution_token import write_secret
 from workloads.parts import build_parts, cgroup_run_name
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class Controller:
         return ["--curve-keys", str(self.keys_dir)] if self.keys_dir else []
 
     def engine_key_args(self) -> list[str]:
-        """A fresh engine API key for this start (``controller.engine_key``), for the cells and the proxy."""
+        """A fresh engine API key for this start (``base.engine_key``), for the cells and the proxy."""
         if self.engine_key_file is None:
             self.engine_key_file = engine_key.write_key(self.run_dir / "engine.key")
         return ["--engine-key-file", str(self.engine_key_file)]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from workloads.api import GradeResult, HarnessAdapter, HarnessLaunch, RunArtifacts, Sandbox, SandboxSpec, Task, TaskSet
 from workloads.config import LimitsConfig, WorkloadConfig
 from workloads.drift import run_shape

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     with conf/config.yaml's thresholds (overridden by ``key=value``)."""
     import yaml
 
-    from controller.typed_config import build
+    from base.typed_config import build
 
     args = sys.argv[1:] if argv is None else argv
     if not args:

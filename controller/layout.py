@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cellrunner.servers import num_servers
+from cellrunner.servers import NODE_LOCAL_DIRS, engine_pp_of, num_servers
 
 GIB = 1 << 30
 DEFAULT_GPU_MEM_GIB = 80.0
@@ -53,8 +53,6 @@ TRAIN_MEM_FRACTION = 0.9
 TRAIN_BYTES_PER_PARAM = {"bfloat16": 2 + 4 + 12, "float32": 4 + 4 + 8}
 """Weights, fp32 gradient buffer, Adam (bf16: fp32 master copy, m, v; float32: m, v)."""
 SERVE_BYTES_PER_PARAM = {"bfloat16": 2, "float16": 2, "float32": 4}
-NODE_LOCAL_DIRS = ("/dev/shm", "/tmp", "/run")
-"""Folders each node has its own of (cellrunner.config.SGLangConfig refuses them for multi-node servers)."""
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
@@ -297,17 +295,6 @@ def _memory_rules(req: LayoutRequest, broken: list) -> dict:
 
 # ==================================================================== shells: config -> request
 
-def engine_pp_of(extra_args: tuple[str, ...] | list[str]) -> int:
-    """SGLang's pipeline stages: Gyre's config has no field for them, so ``--pp-size`` travels in
-    ``engine.extra_args``."""
-    args = list(extra_args)
-    for i, a in enumerate(args):
-        for flag in ("--pp-size", "--pipeline-parallel-size"):
-            if a == flag and i + 1 < len(args):
-                return int(args[i + 1])
-            if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
-    return 1
 
 
 def model_shape(model: Mapping[str, Any]) -> tuple[ModelShape | None, str]:
@@ -390,7 +377,7 @@ def compose(preset: str, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from cellrunner.config import EmbeddedEngineConfig, EmbeddedTrainerConfig, MegatronConfig, SGLangConfig
-    from controller.typed_config import ConfigError, build
+    from base.typed_config import ConfigError, build
 
     ap = argparse.ArgumentParser(prog="python -m controller.layout", description=__doc__.split("\n\n")[0])
     ap.add_argument("preset", help="a model preset (conf/model/*.yaml): qwen3_hf, qwen3_8b, ...")

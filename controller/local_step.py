@@ -1,7 +1,7 @@
 """A multi-rank cell on this machine: what ``srun`` does for a Slurm cell, for local processes.
 
 ``python -m controller.local_step --cell-id C --ranks N --host H --dist-port P -- <cellrunner args>``
-starts the cell's N ranks (``cellrunner.main`` with the variables of ``cellrunner.ranks``; rank 0
+starts the cell's N ranks (``cellrunner.main`` with the variables of ``base.ranks``; rank 0
 leads) and supervises them as one unit, like ``srun --kill-on-bad-exit``: the first rank that
 fails has the others killed, SIGTERM reaches every rank (as ``scancel`` does a step's tasks: the
 leader stops gracefully, the followers wait for its ``exit``), and the step's exit code is the
@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 
-from cellrunner.ranks import rank_env
-from controller.lifecycle import PARENT_PID_ENV, exit_with_parent
+from base.ranks import rank_env
+from base.lifecycle import PARENT_PID_ENV, exit_with_parent
 
 KILL_AFTER_S = 150.0
 """After SIGTERM: longer than a follower's grace (cellrunner.follower.GRACE_S), so the leader's final

@@ -24,7 +24,7 @@ from controller.layout import check_job
 from controller.processes import StartError
 from controller.report import plot_rewards, plot_roles, plot_run_lengths, plot_water_level, write_markdown, write_summary
 from controller.submit import SubmititLauncherConfig, build_launcher, submit_run
-from controller.typed_config import ConfigError
+from base.typed_config import ConfigError
 from workloads.parts import PartsError
 
 log = logging.getLogger("gyre")

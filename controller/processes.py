@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from controller.lifecycle import PARENT_PID_ENV
+from base.lifecycle import PARENT_PID_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

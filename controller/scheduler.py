@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 from controller.config import SchedulerConfig
-from controller.wire import CellPhase, Role
+from base.wire import CellPhase, Role
 
 STABLE: tuple[CellPhase, ...] = ("serving", "training")
 

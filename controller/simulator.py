@@ -40,8 +40,8 @@ from controller.config import SchedulerConfig
 from controller.scheduler import CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 from controller.steps import StepCoordinator
 from controller.traces import Trace
-from controller.typed_config import build
-from controller.wire import GroupDone, Shard
+from base.typed_config import build
+from base.wire import GroupDone, Shard
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EPS = 1e-9

@@ -10,7 +10,7 @@ non-zero code and the controller drops the cell.
 
 Step end (``python -m controller.slurm_launch --cell-nodes n3,n4 --ranks R -- <cellrunner args>``):
 every task checks that ``SLURM_STEP_NODELIST`` is the cell's node set. Tasks ``0..R-1`` become the
-cell's ranks: the cellrunner with the torchrun variables of ``cellrunner.ranks`` (rank 0 leads,
+cell's ranks: the cellrunner with the torchrun variables of ``base.ranks`` (rank 0 leads,
 the others follow; the process group meets at node 1's ``dist_port + cell_id``). An embedded cell
 has R = 1, so the other tasks end at once and the step just holds their nodes.
 
@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cellrunner.ranks import NNODES_ENV, NODE_RANK_ENV
-from controller.lifecycle import PARENT_PID_ENV
+from base.ranks import NNODES_ENV, NODE_RANK_ENV
+from base.lifecycle import PARENT_PID_ENV
 from controller.processes import StartError, python_path
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def srun_argv(*, job_id: str, cell_id: int, nodes: list[str], python: str, cell_
 
     - ``--nodes/--ntasks/--ntasks-per-node``: ``ranks_per_node`` tasks on every node of the cell
       (srun refuses fewer tasks than nodes, so the cell's nodes are held by tasks, not just
-      named); ``--distribution=block`` numbers them node by node, as ``cellrunner.ranks`` checks.
+      named); ``--distribution=block`` numbers them node by node, as ``base.ranks`` checks.
     - ``--ranks``/``--dist-port`` to the step end: how many tasks are the cell's ranks, and where
       their process group meets.
     - ``--nodelist``: exactly this cell's nodes; never ``--exact``, so a step gets every CPU (and,
@@ -261,7 +261,7 @@ def bind_config_to_node(config_path: str, cell_nodes: str, rank: int = 0) -> str
 
 def rank_env_of_task(env: Mapping[str, str], *, nodes: list[str], cell_ranks: int, master_addr: str,
                      dist_port: int) -> dict[str, str]:
-    """The ``cellrunner.ranks`` variables of this srun task. Node and local rank come from Slurm
+    """The ``base.ranks`` variables of this srun task. Node and local rank come from Slurm
     (the node's place in the cell, ``SLURM_LOCALID``), so a task layout that is not node by node
     is caught by ``ranks_from_env``'s check rather than silently misnumbered."""
     node = env.get("SLURMD_NODENAME", "")

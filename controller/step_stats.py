@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.steps import StepState
-from controller.wire import ExecutionFacts, MicrostepDone
+from base.wire import ExecutionFacts, MicrostepDone
 
 
 @dataclass

@@ -14,8 +14,8 @@ import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from controller.checkpoints import due
-from controller.wire import ApplyStep, GroupDone, GroupStats, RunMicrostep, SendGrads, Shard
+from base.checkpoints import due
+from base.wire import ApplyStep, GroupDone, GroupStats, RunMicrostep, SendGrads, Shard
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from controller.config import GyreConfig
-from controller.typed_config import ConfigError, build
+from base.typed_config import ConfigError, build
 
 LOG_TAIL_LINES = 40
 

@@ -63,7 +63,7 @@ class MessagesRequest:
     agent_id: str
     """``x-claude-code-agent-id`` (a sub-agent), or '' for the main agent."""
     lineage: str
-    """main | main-summary | sub-agent | sub-agent-summary | side (controller.wire.Lineage)."""
+    """main | main-summary | sub-agent | sub-agent-summary | side (base.wire.Lineage)."""
 
     @property
     def session_key(self) -> str:

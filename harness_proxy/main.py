@@ -10,7 +10,7 @@
   successful call and, on a seal, ``ExecutionSealed`` once that execution's records are all
   acknowledged, and keeps each until the processor's ``RecordsAck`` (``harness_proxy.record_sink``).
 - ``--secret-file``: a 0600 file holding the HMAC secret of the per-execution bearer tokens, hex
-  (``harness_proxy.auth.write_secret``); a file, not the value, so ``/proc/<pid>/cmdline`` shows no secret.
+  (``base.execution_token.write_secret``); a file, not the value, so ``/proc/<pid>/cmdline`` shows no secret.
 - ``--ready-file``: written (atomically) as ``{"url": "http://host:port"}`` once HTTP is listening,
   with ``"unix_socket": PATH`` added when it also listens there.
 - ``--unix-socket``: the same HTTP app also on this Unix socket (the relay inside each bwrap sandbox
@@ -40,15 +40,15 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import curve, engine_key, wire
-from controller.lifecycle import exit_with_parent
-from controller.typed_config import ConfigError, build
-from harness_proxy.auth import read_secret
+from base import curve, engine_key, wire
+from base.lifecycle import exit_with_parent
+from base.typed_config import ConfigError, build
+from base.execution_token import read_secret
 from harness_proxy.config import ProxyConfig
 from harness_proxy.record_sink import ZmqRecordSink
 from harness_proxy.server import ProxyServer
-from harness_proxy.tokenizer import QwenTokenizer, load_tokenizer
-from trajectory.config import RolloutSampling
+from base.tokenizer import QwenTokenizer, load_tokenizer
+from base.algo_config import RolloutSampling
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret-file", required=True, type=Path,
                    help="0600 file with the HMAC secret of the execution tokens, hex")
     p.add_argument("--ready-file", required=True, type=Path)
-    p.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
+    p.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (base.curve); '' for plain sockets")
     p.add_argument("--engine-key-file", type=Path, default=None,
-                   help="0600 file with the run's engine API key (controller.engine_key); none for open engines")
+                   help="0600 file with the run's engine API key (base.engine_key); none for open engines")
     p.add_argument("--unix-socket", type=Path, default=None,
                    help="also serve on this Unix socket (mode 0600), for the relays inside bwrap sandboxes")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between ServiceHeartbeats")

@@ -30,7 +30,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from controller import curve, wire
+from base import curve, wire
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
-from controller.wire import EngineRoute, RoutingTable
+from base.wire import EngineRoute, RoutingTable
 
 log = logging.getLogger(__name__)
 

@@ -36,10 +36,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from controller import engine_key, wire
+from base import engine_key, wire
 from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
-from harness_proxy.auth import Revocations, bearer_token, verify_token
+from base.execution_token import verify_token
+from harness_proxy.auth import Revocations, bearer_token
 from harness_proxy.budget import BudgetState, budget_refusal
 from harness_proxy.config import ProxyConfig
 from harness_proxy.memory import TrimAfterSeals
@@ -51,8 +52,8 @@ from harness_proxy.record_sink import RecordSink
 from harness_proxy.routing import Router
 from harness_proxy.sessions import SessionStore
 from harness_proxy.template import ParsedOutput, parse_output, render_messages
-from harness_proxy.tokenizer import QwenTokenizer
-from trajectory.config import RolloutSampling
+from base.tokenizer import QwenTokenizer
+from base.algo_config import RolloutSampling
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class ProxyServer:
         rollout: RolloutSampling,
         max_revoked: int = MAX_REVOKED_EXECUTIONS, engine_api_key: str = "",
     ):
-        """``engine_api_key``: the run's engine key (``controller.engine_key``), sent to every engine.
+        """``engine_api_key``: the run's engine key (``base.engine_key``), sent to every engine.
         ``rollout``: what training executions sample at (``algo.rollout``), whatever the harness asks."""
         if not secret:
             raise ValueError("secret: empty")

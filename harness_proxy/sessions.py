@@ -94,11 +94,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller import wire
+from base import wire
 from harness_proxy.template import (
     content_text, generation_prompt, render_appended, render_messages, tool_call_parts, turn_separator,
 )
-from harness_proxy.tokenizer import QwenTokenizer
+from base.tokenizer import QwenTokenizer
 
 NormMessage = tuple[str, str, tuple[tuple[str, str], ...]]
 RawArgs = tuple[Any, ...]

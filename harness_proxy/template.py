@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness_proxy.tokenizer import QwenTokenizer
+from base.tokenizer import QwenTokenizer
 
 _TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -139,7 +139,7 @@ def serve_batch(url: str, n: int, prompt_len: int, new_tokens: int, seed: int) -
 
 
 def shard_from(samples: list[dict], step: int) -> Any:
-    from controller import wire
+    from base import wire
 
     seqs = []
     for i, s in enumerate(samples):
@@ -317,7 +317,7 @@ def one_trajectory(length: int, seed: int, vocab: int = VOCAB) -> Any:
     random init's level (log 1/vocab), so the GSPO ratio is near 1 and the step has a gradient."""
     import math
 
-    from controller import wire
+    from base import wire
 
     rng = random.Random(seed)
     prompt = length // 2
@@ -490,7 +490,7 @@ def gyre_cuda_pull(nbytes: int, protocol: str, report: Report) -> None:
 
     from cellrunner.model import FlatWeights
     from cellrunner.transfer_mooncake import MooncakeWeightPublisher
-    from controller.wire import TensorSpec
+    from base.wire import TensorSpec
 
     n = nbytes // 4
     data = torch.randn(n, device="cuda")
@@ -548,8 +548,8 @@ def stack_configs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     from cellrunner.config import MegatronConfig
     from cellrunner.engine_sglang import SGLangConfig
-    from controller.typed_config import build
-    from trajectory.config import AlgoConfig
+    from base.typed_config import build
+    from base.algo_config import AlgoConfig
 
     algo = build(AlgoConfig, {**yaml.safe_load(open(ROOT / "conf/algo/gspo.yaml")),
                               "lr": 1e-6, "max_tokens_per_microstep": 8192, "tree_packing": False})
@@ -589,7 +589,7 @@ def run(args: argparse.Namespace) -> dict:
         from cellrunner.engine_sglang import SGLangEngine
         from cellrunner.make_checkpoint import write_checkpoint
         from cellrunner.megatron_trainer import MegatronTrainer
-        from controller.typed_config import build
+        from base.typed_config import build
 
         figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
         # Version 0 is a checkpoint folder, as on a cluster (model=qwen3_hf model.path=...): a

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from controller import curve
-from controller.wire import CallRecord, ExecutionSealed, RecordsAck, encode, record_key
+from base import curve
+from base.wire import CallRecord, ExecutionSealed, RecordsAck, encode, record_key
 
 
 REPLAY_SNDHWM = 100_000

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from controller.wire import MAX_FRAME_BYTES
+from base.wire import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller import curve
-from controller.lifecycle import exit_with_parent
-from controller.typed_config import ConfigError, build
-from trajectory.config import AlgoConfig
+from base import curve
+from base.lifecycle import exit_with_parent
+from base.typed_config import ConfigError, build
+from base.algo_config import AlgoConfig
 from trajectory.log import AppendLog
 from trajectory.processor import Processor, ProcessorService, serve
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fsync", action="store_true", help="flush the log but skip os.fsync")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between ServiceHeartbeats")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
-    parser.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (controller.curve); '' for plain sockets")
+    parser.add_argument("--curve-keys", default="", help="the run's CURVE keys folder (base.curve); '' for plain sockets")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

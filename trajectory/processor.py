@@ -62,8 +62,8 @@ from dataclasses import dataclass, field, fields
 import msgpack
 import zmq
 
-from controller import curve
-from controller.wire import (
+from base import curve
+from base.wire import (
     CallRecord,
     Delivered,
     ErrorReply,
@@ -83,9 +83,9 @@ from controller.wire import (
     decode,
     encode,
 )
-from controller.wire import Sequence as TrainingSequence
-from trajectory.advantages import advantage, group_stats
-from trajectory.config import AlgoConfig
+from base.wire import Sequence as TrainingSequence
+from base.advantages import advantage, group_stats
+from base.algo_config import AlgoConfig
 from trajectory.inbox import RecordInbox
 from trajectory.log import AppendLog, Marker, decode_marker, encode_marker
 from trajectory.run_release import EXECUTION_SENT_MARKER, released_execution, run_released_shards

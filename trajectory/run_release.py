@@ -3,7 +3,7 @@
 The processor sends an execution's data as soon as it is graded and sealed, with advantage 0
 and its reward attached; the group's ``GroupDone`` later carries ``mean_reward`` and
 ``adv_divisor``, from which the cell that trained the shard makes the very advantage a
-whole-group shard would have carried (``trajectory.advantages.advantage``).
+whole-group shard would have carried (``base.advantages.advantage``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from controller.wire import Grade, Sequence, Shard
+from base.wire import Grade, Sequence, Shard
 from trajectory.samples import pack_shards
 
 EXECUTION_SENT_MARKER = "execution_sent"

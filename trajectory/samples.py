@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from controller.wire import Sequence, Shard
+from base.wire import Sequence, Shard
 from trajectory.tree import Edge, Trajectory
 
 log = logging.getLogger(__name__)

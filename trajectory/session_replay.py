@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from controller.wire import CallRecord, ExecutionSealed, Message, SessionReplayEnd, SessionReplayRequest, encode
+from base.wire import CallRecord, ExecutionSealed, Message, SessionReplayEnd, SessionReplayRequest, encode
 from trajectory.log import AppendLog
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from controller.wire import CallRecord, Lineage
+from base.wire import CallRecord, Lineage
 
 TrajectoryKind = Literal["main", "main-summary", "sub-agent", "sub-agent-summary"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller import wire
+from base import wire
 from trajectory.samples import build_sequences
 from trajectory.sampling import select
 from trajectory.tree import Edge, TokenTree, Trajectory

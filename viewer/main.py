@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from harness_proxy.auth import EXECUTION_ID_RE
+from base.execution_token import EXECUTION_ID_RE
 from viewer.pages import error_page, execution_page, parse_filters, run_page
 from viewer.runfolder import RunFolderError, RunReader
 

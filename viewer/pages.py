@@ -12,7 +12,7 @@ import typing
 from html import escape
 from typing import Any
 
-from controller import wire
+from base import wire
 from trajectory.tree import CONTEXT, Edge, Trajectory
 from viewer import calltree
 from viewer.calltree import CallTree

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller import wire
-from controller.typed_config import build
-from harness_proxy.tokenizer import QwenTokenizer, get_tokenizer
+from base import wire
+from base.typed_config import build
+from base.tokenizer import QwenTokenizer, get_tokenizer
 from trajectory.log import decode_marker, read_from
 from trajectory.main import ProcessorConfig
 from trajectory.processor import Processor, ProcessorService

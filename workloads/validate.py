@@ -45,9 +45,9 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from controller.config import build_config
-from controller.typed_config import ConfigError
+from base.typed_config import ConfigError, build
 from workloads.api import GradeResult, RunArtifacts, TaskSet
+from workloads.config import SandboxConfig, WorkloadConfig
 from workloads.sandbox import SandboxUnavailable, make_sandbox
 from workloads.tasksets import make_taskset
 from workloads.tasksets.swe import SweTask
@@ -184,6 +184,12 @@ def validate(taskset: TaskSet, scratch: Path) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class ValidateConfig:
+    workload: WorkloadConfig
+    sandbox: SandboxConfig
+
+
 def main(argv: list[str]) -> int:
     # Everything a run writes (checkpoints, logs, prompts, task files with gold patches and hidden
     # tests) is the run user's alone on a shared node: files 0600, folders 0700.
@@ -191,7 +197,11 @@ def main(argv: list[str]) -> int:
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
             raw = compose(config_name="config", overrides=argv)
-        cfg = build_config(OmegaConf.to_container(raw, resolve=True))
+        # Only the workload and the sandbox: what grading a task needs (a run's own checks are
+        # controller.config's, and this package stands below the controller).
+        tree = OmegaConf.to_container(raw, resolve=True)
+        cfg = ValidateConfig(workload=build(WorkloadConfig, tree["workload"], "workload"),
+                             sandbox=build(SandboxConfig, tree["sandbox"], "sandbox"))
     except (ConfigError, ValueError, HydraException, OmegaConfBaseException) as exc:
         print(f"validate: bad config: {exc}", file=sys.stderr)
         return 2

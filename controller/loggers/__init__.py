@@ -29,7 +29,7 @@ def build_loggers(cfg: LoggerConfig, run_dir: Path, run_config: Any = None) -> l
         loggers.append(TensorBoardLogger(cfg.tensorboard, run_dir))
     if cfg.wandb is not None:
         from controller.loggers.wandb_logger import WandbLogger
-        from controller.typed_config import to_dict
+        from base.typed_config import to_dict
 
         loggers.append(WandbLogger(cfg.wandb, run_dir, to_dict(run_config) if run_config is not None else {}))
     if cfg.prometheus is not None:

@@ -120,7 +120,7 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_run_overhead_is_wall_time_less_think_and_calls(tmp_path: Path):
-    from controller.wire import CallRecord
+    from base.wire import CallRecord
 
     def call(eid: str, start: float, end: float) -> CallRecord:
         return CallRecord(execution_id=eid, call_id=f"{eid}-{start}", call_index=0, prompt_ids=[1], output_ids=[2],

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from cellrunner.backends import CellRunnerConfig, check_ranks, make_engine, make_node_engine
 from cellrunner.model import FlatWeights, build_model, flatten_params, vocab_rows
-from cellrunner.ranks import ranks_from_env
+from base.ranks import ranks_from_env
 from cellrunner.spmd import CommandChannel
-from controller.typed_config import build
+from base.typed_config import build
 
 KEY = "cd" * 32
 WAIT_S = 600.0  # generous: on a loaded machine the ranks alone take minutes to import torch

@@ -10,10 +10,10 @@ import pytest
 from cellrunner.backends import CellRunnerConfig, check_ranks, make_engine, make_node_engine, serving_part
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.engine_sglang import SGLangEngine, launch_command
-from cellrunner.ranks import rank_env, ranks_from_env
+from base.ranks import rank_env, ranks_from_env
 from cellrunner.servers import ServerPart
 from controller.controller import cellrunner_config
-from controller.typed_config import build
+from base.typed_config import build
 from tests.controller.test_config import load
 
 

@@ -13,10 +13,10 @@ import zmq
 from bench.switch import load_config
 from cellrunner.backends import CellRunnerConfig
 from cellrunner.main import CellRunner
-from cellrunner.ranks import CellRanks
-from controller import curve, wire
+from base.ranks import CellRanks
+from base import curve, wire
 from controller.controller import cellrunner_config
-from controller.typed_config import build
+from base.typed_config import build
 
 INTERVAL_S = 0.1
 TIMEOUT_S = 1.0  # the controller drops a cell silent this long (cluster.heartbeat_timeout_s)

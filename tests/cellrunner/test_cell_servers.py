@@ -23,19 +23,19 @@ from pathlib import Path
 import openai
 import zmq
 
-from cellrunner.ranks import rank_env
-from controller import wire
+from base.ranks import rank_env
+from base import wire
 from controller.cells import CellRegistry
 from controller.controller import cellrunner_config
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from harness_proxy.record_sink import ZmqRecordSink
 from harness_proxy.server import ProxyServer
 from tests.cellrunner.rank_workers import free_port
 from tests.cellrunner.test_engine_sglang import STANDIN
 from tests.controller.test_config import load
 from tests.harness_proxy import ROLLOUT, SECRET, TOK, AckingInbox, LoopThread, proxy_config
-from trajectory.config import RolloutSampling
-from controller.typed_config import build
+from base.algo_config import RolloutSampling
+from base.typed_config import build
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "cellrunner" / "cell_server_ranks.py"

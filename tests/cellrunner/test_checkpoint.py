@@ -11,7 +11,7 @@ import pytest
 
 from cellrunner.checkpoint import save_checkpoint
 from cellrunner.trainer import EmbeddedTrainer
-from controller.checkpoints import latest_checkpoint
+from base.checkpoints import latest_checkpoint
 from tests.cellrunner.test_trainer import VOCAB, cfgs, make_shards
 
 
@@ -84,7 +84,7 @@ RESUME_CHILD = """
 import dataclasses, random, sys
 from pathlib import Path
 from cellrunner.trainer import EmbeddedTrainer
-from controller.checkpoints import latest_checkpoint
+from base.checkpoints import latest_checkpoint
 from tests.cellrunner.test_trainer import VOCAB, cfgs, make_shards
 src, resaved, after = (Path(a) for a in sys.argv[1:4])
 model_cfg, algo = cfgs()

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from bench.switch import load_config
 from cellrunner import follower, main, spmd
 from cellrunner.backends import CellRunnerConfig
-from cellrunner.ranks import CellRanks
-from controller import curve
+from base.ranks import CellRanks
+from base import curve
 from controller.controller import cellrunner_config
-from controller.typed_config import build
+from base.typed_config import build
 
 TIMEOUT_S = 3 * 24 * 3600.0
 

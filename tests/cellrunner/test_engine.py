@@ -25,8 +25,8 @@ from cellrunner.config import ModelConfig
 from cellrunner.engine import EmbeddedEngine, save_safetensors
 from cellrunner.engine_batch import GenRequest, KVBatch, sample
 from cellrunner.model import FlatWeights, build_model, flatten_params, load_flat
-from controller import engine_key
-from harness_proxy.tokenizer import get_tokenizer
+from base import engine_key
+from base.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -464,7 +464,7 @@ def test_prompt_past_the_old_2048_limit_is_served(engine, reference, model_cfg) 
 
 
 def test_api_key_guards_every_route_but_health(make_engine, tmp_path):
-    """With the run's key (controller.engine_key), a caller without it gets SGLang's own 401 on
+    """With the run's key (base.engine_key), a caller without it gets SGLang's own 401 on
     /generate, aborts and weight loading, before its body is read; /health stays open."""
     key = engine_key.read_key(engine_key.write_key(tmp_path / "engine.key"))
     engine = make_engine(api_key=key)

@@ -36,7 +36,7 @@ from cellrunner.engine_sglang import (
     SGLangConfig, SGLangEngine, SGLangError, launch_command, model_config_json, parse_metrics,
 )
 from cellrunner.model import FlatWeights, build_model, flatten_params
-from controller.typed_config import ConfigError, build
+from base.typed_config import ConfigError, build
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
@@ -146,7 +146,7 @@ def fake_sglang(tmp_path, monkeypatch):
 
 
 KEY = "ab" * 32
-"""The run's engine key (controller.engine_key) the engines here are started with."""
+"""The run's engine key (base.engine_key) the engines here are started with."""
 
 
 def make_engine(tmp_path: Path, api_key: str = KEY, **over) -> SGLangEngine:

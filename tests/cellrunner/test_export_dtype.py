@@ -25,7 +25,7 @@ from cellrunner.backends import core_export_dtype, make_trainer, trainer_dtype, 
 from cellrunner.main import satellite_initial  # noqa: E402
 from cellrunner.model import FlatWeights, to_bf16, vocab_rows, weights_digest  # noqa: E402
 from cellrunner.transfer import TransferError, WeightServer, pull_weights  # noqa: E402
-from controller.wire import TensorSpec  # noqa: E402
+from base.wire import TensorSpec  # noqa: E402
 from tests.cellrunner.test_backends import cell_cfg  # noqa: E402
 
 MEGATRON = ("trainer=megatron", "trainer.offload_when_serving=false", "trainer.pad_vocab_to=128")

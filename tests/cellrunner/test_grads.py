@@ -16,7 +16,7 @@ from cellrunner.grads import GradExchange, GradInbox, send_to_peer
 from cellrunner.model import flatten_grads
 from cellrunner.spmd import solo
 from cellrunner.trainer import EmbeddedTrainer
-from controller import wire
+from base import wire
 from tests.cellrunner.test_trainer import VOCAB, assert_same_gradient, cfgs, make_shards, one_replica_grads
 
 

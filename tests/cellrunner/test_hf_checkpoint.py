@@ -25,10 +25,10 @@ from cellrunner.engine import EmbeddedEngine
 from cellrunner.hf_folder import CheckpointError, check_folder
 from cellrunner.make_checkpoint import QWEN3_VOCAB_ROWS, write_checkpoint
 from cellrunner.model import build_model, flatten_params, vocab_rows, weights_digest
-from controller.typed_config import ConfigError, build
-from harness_proxy.hf_tokenizer import HFTokenizer
+from base.typed_config import ConfigError, build
+from base.hf_tokenizer import HFTokenizer
 from harness_proxy.template import render_messages
-from harness_proxy.tokenizer import get_tokenizer, load_tokenizer
+from base.tokenizer import get_tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.7

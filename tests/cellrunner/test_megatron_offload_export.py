@@ -17,7 +17,7 @@ from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, 
 
 from cellrunner.megatron_trainer import MegatronTrainer  # noqa: E402
 from cellrunner.model import FlatWeights  # noqa: E402
-from controller.checkpoints import Checkpoint  # noqa: E402
+from base.checkpoints import Checkpoint  # noqa: E402
 
 
 def trained_core(params_dtype: str) -> MegatronTrainer:

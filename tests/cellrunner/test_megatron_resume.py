@@ -10,7 +10,7 @@ import torch
 
 import megatron.core  # noqa: E402,F401  (the [test] extra: missing is a failure, never a skip)
 
-from controller.checkpoints import latest_checkpoint  # noqa: E402
+from base.checkpoints import latest_checkpoint  # noqa: E402
 from tests.cellrunner.test_megatron_trainer import (  # noqa: E402  (imports the CPU shims first)
     VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg,
 )

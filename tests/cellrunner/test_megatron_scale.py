@@ -49,7 +49,7 @@ from cellrunner.megatron_convert import HFFolder, load_hf_safetensors, save_hf_s
 from cellrunner.megatron_logprobs import chunked_token_logprobs
 from cellrunner.megatron_trainer import MegatronTrainer
 from cellrunner.model import initial_weights
-from controller.typed_config import build
+from base.typed_config import build
 from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg
 
 

@@ -45,10 +45,10 @@ from cellrunner.config import MegatronConfig
 from cellrunner.megatron_trainer import MegatronTrainer
 from cellrunner.model import hf_config
 from cellrunner.trainer import EmbeddedTrainer
-from controller import wire
-from controller.checkpoints import Checkpoint, latest_checkpoint
-from controller.typed_config import build
-from trajectory.config import AlgoConfig
+from base import wire
+from base.checkpoints import Checkpoint, latest_checkpoint
+from base.typed_config import build
+from base.algo_config import AlgoConfig
 
 VOCAB = 300  # not a multiple of 128 x TP: the padded rows are exercised
 

@@ -14,7 +14,7 @@ from cellrunner.backends import make_weight_publisher, whole_model_dtypes
 from cellrunner.model import FlatWeights, to_bf16
 from cellrunner.transfer import TransferError
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher, MooncakeWeightPuller
-from controller.wire import TensorSpec
+from base.wire import TensorSpec
 from tests.cellrunner.test_backends import cell_cfg
 
 HOST = "127.0.0.1"

@@ -11,9 +11,9 @@ import torch
 from cellrunner.gspo import pack, token_logprobs
 from cellrunner.model import build_model
 from cellrunner.trainer import EmbeddedTrainer
-from controller import wire
+from base import wire
 from tests.cellrunner.test_trainer import VOCAB, assert_same_gradient, cfgs
-from trajectory.advantages import group_advantages, group_stats
+from base.advantages import group_advantages, group_stats
 
 # Each execution's sequences get behaviour log-probs shifted so that s = exp(shift) lands in the
 # clip band (0), above it or below it (GSPO's band is [1 - 3e-4, 1 + 4e-4]).

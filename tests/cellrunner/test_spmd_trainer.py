@@ -75,7 +75,7 @@ def worker(tp: int, ckpt_dir: str) -> None:
     from cellrunner.spmd import CommandChannel
     from cellrunner.spmd_trainer import LeaderTrainer, RankLinks, follow
     from cellrunner.transfer import WeightServer, ZmqWeightPuller
-    from controller.checkpoints import Checkpoint
+    from base.checkpoints import Checkpoint
     from tests.cellrunner.test_megatron_trainer import VOCAB, algo_cfg, make_shard, megatron_cfg, model_cfg
 
     torch.set_num_threads(1)

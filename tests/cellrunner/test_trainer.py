@@ -15,9 +15,9 @@ from cellrunner.gspo import gspo_loss, pack, token_logprobs
 from cellrunner.model import build_model, flatten_grads, flatten_params, load_flat
 from cellrunner.trainer import EmbeddedTrainer, split_by_tokens
 from cellrunner.transfer import TransferError, WeightServer, pull_weights, recv_grads, send_grads
-from controller import wire
-from controller.typed_config import build
-from trajectory.config import AlgoConfig
+from base import wire
+from base.typed_config import build
+from base.algo_config import AlgoConfig
 
 VOCAB = 300
 

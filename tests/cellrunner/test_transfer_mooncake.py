@@ -30,11 +30,11 @@ from cellrunner.transfer_mooncake import (
     CudaMemoryUnavailable, MooncakeUnavailable, MooncakeWeightPublisher, MooncakeWeightPuller, decode_control,
     transfer_engine_class,
 )
-from controller.typed_config import build
-from controller.wire import (
+from base.typed_config import build
+from base.wire import (
     PROTOCOL_VERSION, CheckSlot, ErrorReply, ProtocolError, PullWeights, SlotChecked, TensorSpec, WeightsOffer, encode,
 )
-from harness_proxy.tokenizer import get_tokenizer
+from base.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -47,9 +47,9 @@ import numpy as np, yaml, zmq
 from cellrunner.config import ModelConfig
 from cellrunner.model import FlatWeights, build_model, flatten_params
 from cellrunner.transfer_mooncake import MooncakeWeightPublisher
-from controller.typed_config import build
-from controller.wire import TensorSpec
-from harness_proxy.tokenizer import get_tokenizer
+from base.typed_config import build
+from base.wire import TensorSpec
+from base.tokenizer import get_tokenizer
 
 def model_weights(version):
     cfg = build(ModelConfig, yaml.safe_load(open("conf/model/tiny.yaml")))

@@ -25,8 +25,8 @@ from cellrunner.tree_pack import (
     plan,
     tree_chunks,
 )
-from controller import wire
-from controller.typed_config import build
+from base import wire
+from base.typed_config import build
 from tests.trajectory.test_claude_code_shapes import claude_code_run, tree_of
 from trajectory.samples import build_sequences
 from trajectory.sampling import select

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from controller.config import build_config
-from controller.typed_config import ConfigError
+from base.typed_config import ConfigError
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from controller.executions import ExecutionManager, ProxyEndpoint
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.config import BundledHarnessConfig, WorkloadConfig
 from workloads.harnesses.bundled import BundledHarness
 from workloads.sandbox.none import NoSandbox
@@ -100,7 +100,7 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
     harness is given carries the execution's weight-version floor."""
     import os
 
-    from harness_proxy.auth import verify_token
+    from base.execution_token import verify_token
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

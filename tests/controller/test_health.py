@@ -12,7 +12,7 @@ import pytest
 
 from controller.health import HealthConfig, HealthMonitor, HealthState, observe, replay, resume_state
 from controller.loggers.scalars import ScalarView
-from controller.typed_config import ConfigError, build
+from base.typed_config import ConfigError, build
 from tests.controller.test_config import load
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from controller import layout
 from controller.layout import LayoutRequest, PRESET_SHAPES, check_layout
+from cellrunner.servers import engine_pp_of
 
 ROOT = Path(__file__).resolve().parents[2]
 # The sbatch recipes' GPU stack (slurm/gyre_*.sbatch STACK) and a shared weight folder (servers over nodes).
@@ -95,8 +96,8 @@ def test_the_base_layout_is_ok_and_reports_servers_and_what_is_not_built():
 
 
 def test_engine_pipeline_stages_come_from_extra_args():
-    assert layout.engine_pp_of(["--pp-size", "16"]) == 16 and layout.engine_pp_of(["--pp-size=4"]) == 4
-    assert layout.engine_pp_of([]) == 1
+    assert engine_pp_of(["--pp-size", "16"]) == 16 and engine_pp_of(["--pp-size=4"]) == 4
+    assert engine_pp_of([]) == 1
     ok = check_layout(base(shape=None, engine_tp=8, engine_pp=16, engine_ep=1, engine_nnodes=16))
     assert ok.ok and ok.engine["servers_per_cell"] == 3 and ok.memory["estimated"] is False
 

@@ -7,7 +7,7 @@ import pytest
 
 from controller.step_stats import StepFigures, execution_advantages
 from controller.steps import StepState
-from controller.wire import ExecutionFacts, GroupStats, MicrostepDone, Sequence, Shard
+from base.wire import ExecutionFacts, GroupStats, MicrostepDone, Sequence, Shard
 
 
 def seq(eid: str, adv: float) -> Sequence:

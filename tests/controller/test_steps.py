@@ -1,6 +1,6 @@
 """Step coordination: shards stream to training cells, gradients gather, then the core applies."""
 
-from controller import wire
+from base import wire
 from controller.steps import StepCoordinator
 
 

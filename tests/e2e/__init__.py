@@ -73,7 +73,7 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
 
 def call_records(run_dir: Path) -> list:
     """Every CallRecord in the run's processor log (the processor's own markers skipped)."""
-    from controller import wire
+    from base import wire
     from trajectory.log import AppendLog
 
     out = []
@@ -93,7 +93,7 @@ def member_socket(ctx, run_dir: Path, name: str, kind: int, server: str):
     as one."""
     import zmq
 
-    from controller import curve
+    from base import curve
 
     keys = curve.load_keys(run_dir / "keys", name)
     sock = ctx.socket(kind)

@@ -205,7 +205,7 @@ def hostile() -> None:
     attempt("list:project", list_project)
     attempt("list:project/.venv", lambda: bool(os.listdir(os.path.join(PROJECT, ".venv"))))
     attempt("read:project/.venv/pyvenv.cfg", lambda: read_file(os.path.join(PROJECT, ".venv", "pyvenv.cfg")))
-    attempt("read:project/controller/wire.py", lambda: read_file(os.path.join(PROJECT, "controller", "wire.py")))
+    attempt("read:project/base/wire.py", lambda: read_file(os.path.join(PROJECT, "controller", "wire.py")))
 
     # Processes.
     attempt("see:controller-process", controller_visible)

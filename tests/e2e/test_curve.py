@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from cellrunner.transfer import send_grads
-from controller import wire
+from base import wire
 from tests.e2e import member_socket, run_gyre_with
 
 

@@ -24,9 +24,9 @@ import zmq
 
 from cellrunner.config import ModelConfig
 from cellrunner.model import build_model, flatten_params
-from controller import wire
-from controller.typed_config import build
-from harness_proxy.tokenizer import get_tokenizer
+from base import wire
+from base.typed_config import build
+from base.tokenizer import get_tokenizer
 from tests.e2e import ROOT, call_records, member_socket, run_gyre_with
 
 STEPS = 3
@@ -117,7 +117,7 @@ def test_short_embedded_run(tmp_path):
     assert isinstance(report.get("controller_reply"), wire.ErrorReply)
     assert "unknown tag 'bogus'" in ctl_log
     assert report.get("proxy_status") in (400, 401)
-    assert report.get("engine_status") == 401  # the engine wants the run's key (controller.engine_key)
+    assert report.get("engine_status") == 401  # the engine wants the run's key (base.engine_key)
     assert "killed_harness" in report, "no harness process was caught running"
     assert "secret_on_argv" not in report, report.get("secret_on_argv")
     assert "harness crashed" in ctl_log

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
-from harness_proxy.tokenizer import get_tokenizer
+from base import wire
+from base.tokenizer import get_tokenizer
 from tests.e2e import call_records, metrics, run_gyre_with
 from workloads.sandbox.bwrap import bwrap_problem
 

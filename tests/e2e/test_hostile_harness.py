@@ -48,7 +48,7 @@ EXPECTED_ATTEMPTS = {
     "write:node-tmp", "list:work-dir", "list:exec-dir-parent", "list:run-dir", "read:run-dir/metrics.jsonl",
     "read:run-dir/proxy.json", "read:run-dir/controller.log", "read:run-dir/cellrunner.json",
     "read:own-stdout.log", "list:project", "list:project/.venv", "read:project/.venv/pyvenv.cfg",
-    "read:project/controller/wire.py", "see:controller-process", "signal:sleeper", "signal:visible-pids",
+    "read:project/base/wire.py", "see:controller-process", "signal:sleeper", "signal:visible-pids",
     "tcp:test-listener", "unix:test-abstract-socket", "tcp:internet",
     "read:s0-g0-e1/workspace/TASK.md", "write:s0-g1-e2/workspace/PLANTED-{token}",
 }

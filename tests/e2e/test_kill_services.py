@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from controller import wire
+from base import wire
 from tests.e2e import metrics, start_gyre
 from trajectory.log import AppendLog, decode_marker
 

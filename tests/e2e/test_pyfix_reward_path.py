@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller import wire
+from base import wire
 from controller.executions import Execution, ExecutionManager, ProxyEndpoint
-from controller.typed_config import build
+from base.typed_config import build
 from harness_proxy.main import serve_unix_socket
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step
 from tests.harness_proxy.claude_code import CodingScript, engine_ids, tool_call

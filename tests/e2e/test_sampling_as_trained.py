@@ -20,11 +20,11 @@ from cellrunner.engine import EmbeddedEngine
 from cellrunner.gspo import pack, sequence_ratios, token_logprobs
 from cellrunner.model import build_model, flatten_params, vocab_rows
 from cellrunner.trainer import EmbeddedTrainer
-from controller import wire
-from controller.typed_config import build
-from harness_proxy.auth import mint_token
+from base import wire
+from base.typed_config import build
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy
-from trajectory.config import AlgoConfig
+from base.algo_config import AlgoConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUT_T = 0.6

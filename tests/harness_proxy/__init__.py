@@ -4,7 +4,7 @@ The engine is a real aiohttp server speaking SGLang's native ``/generate`` and `
 (the real engines are built elsewhere; this one plays back scripted outputs). The proxy is the
 real ``ProxyServer`` with its real ZMQ record sink; tests receive CallRecords on the processor's
 real ``RecordInbox`` (a ROUTER), acknowledged as they come in unless a test holds the
-acknowledgements back, and decode them with ``controller.wire``. Clients are the official ``openai`` SDK and
+acknowledgements back, and decode them with ``base.wire``. Clients are the official ``openai`` SDK and
 ``http.client``, from the test thread.
 """
 
@@ -26,14 +26,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from controller import wire
-from controller.typed_config import build
-from harness_proxy.auth import mint_token
+from base import wire
+from base.typed_config import build
+from base.execution_token import mint_token
 from harness_proxy.config import ProxyConfig
 from harness_proxy.record_sink import ZmqRecordSink
 from harness_proxy.server import ProxyServer
-from harness_proxy.tokenizer import get_tokenizer
-from trajectory.config import RolloutSampling
+from base.tokenizer import get_tokenizer
+from base.algo_config import RolloutSampling
 from trajectory.inbox import RecordInbox
 from trajectory.log import AppendLog
 from trajectory.session_replay import SessionIndex, split_requests

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness_proxy.auth import Revocations, TokenClaims, mint_token
+from base.execution_token import TokenClaims, mint_token
+from harness_proxy.auth import Revocations
 from harness_proxy.main import serve_unix_socket
 from tests.harness_proxy import SECRET, LiveProxy
 

@@ -11,9 +11,9 @@ from urllib.parse import urlsplit
 import anthropic
 import pytest
 
-from controller import wire
+from base import wire
 from harness_proxy.anthropic_api import SUMMARY_MARKER
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from harness_proxy.template import render_messages
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step, text_ids
 

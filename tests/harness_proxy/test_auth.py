@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness_proxy.auth import bearer_token, mint_token, read_secret, verify_token, write_secret
+from base.execution_token import mint_token, read_secret, verify_token, write_secret
+from harness_proxy.auth import bearer_token
 
 SECRET = b"k" * 32
 

@@ -25,8 +25,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.typed_config import ConfigError, build
-from harness_proxy.auth import mint_token
+from base.typed_config import ConfigError, build
+from base.execution_token import mint_token
 from harness_proxy.budget import BUDGET_KINDS, BudgetState, budget_refusal
 from harness_proxy.config import ExecutionBudgetConfig, ProxyConfig
 from tests.harness_proxy import PROXY_CONFIG, SECRET, LiveProxy, Step, proxy_config

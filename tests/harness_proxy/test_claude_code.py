@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
-from harness_proxy.auth import mint_token
+from base import wire
+from base.execution_token import mint_token
 from harness_proxy.template import generation_prompt
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step
 from tests.harness_proxy.claude_code import (

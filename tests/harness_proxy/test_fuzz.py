@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy
 from tests.harness_proxy.test_server import get_raw, post_raw
 

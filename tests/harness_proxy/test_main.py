@@ -14,8 +14,8 @@ import openai
 import pytest
 import zmq
 
-from controller import wire
-from harness_proxy.auth import mint_token, write_secret
+from base import wire
+from base.execution_token import mint_token, write_secret
 from tests.harness_proxy import PROXY_CONFIG, ROLLOUT, SECRET, AckingInbox, LoopThread, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]

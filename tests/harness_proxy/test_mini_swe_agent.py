@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
-from harness_proxy.auth import mint_token
+from base import wire
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step
 from tests.harness_proxy.claude_code import engine_ids, tool_call, tool_calls_in
 from tests.harness_proxy.test_claude_code import drift

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy, Step
 from tests.harness_proxy.test_server import get_raw
 from tests.harness_proxy.claude_code import CLAUDE_BIN, CodingScript, claude_env, run_claude

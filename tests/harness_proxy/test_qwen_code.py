@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, TOK, LiveProxy
 from tests.harness_proxy.qwen_code import (
     QWEN_BIN, QWEN_CODE_VERSION, QwenCodingScript, qwen_env, qwen_version, run_qwen,

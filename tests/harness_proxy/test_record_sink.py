@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from controller import wire
+from base import wire
 from harness_proxy.record_sink import ZmqRecordSink
 from tests.harness_proxy import LiveProxy
 from tests.harness_proxy.test_server import get_raw

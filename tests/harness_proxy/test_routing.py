@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.wire import EngineRoute, RoutingTable
+from base.wire import EngineRoute, RoutingTable
 from harness_proxy.routing import Router, pick_engine
 
 E = [EngineRoute(cell_id=i, url=f"http://e{i}") for i in range(3)]

@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import wire
+from base import wire
 from harness_proxy.openai_api import reply_message
 from harness_proxy.sessions import SessionStore, normalize_message, tools_key
 from harness_proxy.template import generation_prompt, parse_output, render_appended, render_messages, turn_separator

@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from harness_proxy.auth import mint_token
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy
 
 ROOT = Path(__file__).resolve().parents[2]

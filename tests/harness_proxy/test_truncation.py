@@ -7,8 +7,8 @@ import anthropic
 import openai
 import pytest
 
-from controller import wire
-from harness_proxy.auth import mint_token
+from base import wire
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step
 
 CAP = 4

@@ -2,7 +2,7 @@
 
 It takes the place of ``python -m cellrunner.main`` (cellrunner/main.py), which controller/slurm_launch.py
 execs in every srun task that is a rank: the same arguments (``--config-json F --cell-id N
---controller ADDR``), the same rank variables read by the same function (``cellrunner.ranks.ranks_from_env``,
+--controller ADDR``), the same rank variables read by the same function (``base.ranks.ranks_from_env``,
 as cellrunner/main.py does before anything else), and the per-rank config read back as the real
 cellrunner reads it. Then, instead of building an engine and a trainer (its imports alone: 393 MB a rank), it
 writes what it was given to ``<config dir>/ranks/cell<N>.r<rank>.json`` and exits 0. Stdlib only:
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from cellrunner.ranks import ranks_from_env
+from base.ranks import ranks_from_env
 
 
 def main(argv: list[str] | None = None) -> None:

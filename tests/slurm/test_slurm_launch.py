@@ -15,10 +15,10 @@ import yaml
 
 from controller import slurm_launch
 from controller.processes import StartError
-from cellrunner.ranks import ranks_from_env
+from base.ranks import ranks_from_env
 from controller.slurm_launch import SlurmCells, rank_env_of_task, split_cells, srun_argv
 from controller.submit import LocalLauncherConfig, SubmititLauncherConfig, build_launcher, job_overrides
-from controller.typed_config import ConfigError
+from base.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from controller.typed_config import build
-from controller.wire import CallRecord, ExecutionSealed, Grade, Lineage, Outcome
-from trajectory.config import AlgoConfig
+from base.typed_config import build
+from base.wire import CallRecord, ExecutionSealed, Grade, Lineage, Outcome
+from base.algo_config import AlgoConfig
 from trajectory.tree import TokenTree
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.wire import ExecutionFacts
+from base.wire import ExecutionFacts
 from tests.trajectory import Run, grade, tree_of
 from tests.trajectory.test_processor import processor
 

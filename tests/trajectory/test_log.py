@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.wire import decode, encode
+from base.wire import decode, encode
 from tests.trajectory import grade
 from trajectory.log import AppendLog, decode_marker, encode_marker, read_from
 

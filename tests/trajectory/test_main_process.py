@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from controller.typed_config import to_dict
-from controller.wire import (
+from base.typed_config import to_dict
+from base.wire import (
     Delivered,
     ExecutionFacts,
     GroupDone,

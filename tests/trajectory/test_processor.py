@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.wire import (
+from base.wire import (
     Delivered,
     ErrorReply,
     ExecutionSealed,

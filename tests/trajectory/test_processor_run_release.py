@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.wire import GroupDone, Message, Sequence, Shard, decode, encode
+from base.wire import GroupDone, Message, Sequence, Shard, decode, encode
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, algo, grade
 from tests.trajectory.test_processor import feed, frames_of, group_messages, processor, shards_of
-from trajectory.advantages import advantage
+from base.advantages import advantage
 from trajectory.log import AppendLog, decode_marker
 from trajectory.processor import Processor, ProcessorService
 

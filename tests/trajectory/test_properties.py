@@ -13,7 +13,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.wire import CallRecord
+from base.wire import CallRecord
 from tests.trajectory import record
 from trajectory.samples import build_sequences, pack_shards
 from trajectory.sampling import rank_key, select

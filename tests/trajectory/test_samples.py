@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from controller.wire import Sequence
+from base.wire import Sequence
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, tree_of
-from trajectory.advantages import group_advantages
+from base.advantages import group_advantages
 from trajectory.samples import build_sequences, pack_shards
 from trajectory.sampling import select
 

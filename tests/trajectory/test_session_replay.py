@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from controller import wire
+from base import wire
 from tests.trajectory import Run
 from tests.trajectory.test_processor import processor
 from trajectory.log import AppendLog

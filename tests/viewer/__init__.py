@@ -14,8 +14,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from controller import wire
-from controller.typed_config import to_dict
+from base import wire
+from base.typed_config import to_dict
 from tests.trajectory import algo
 from trajectory.log import AppendLog
 from trajectory.processor import Processor, ProcessorService

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
-from harness_proxy.auth import mint_token
+from base import wire
+from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy
 from tests.harness_proxy.claude_code import CodingScript, claude_env, run_claude
 from tests.harness_proxy.test_claude_code import COMPACT_ENV, TASK

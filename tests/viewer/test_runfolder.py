@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
+from base import wire
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, grade
 from tests.trajectory import Run as Calls
 from tests.viewer import snapshot, write_run

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import wire
-from harness_proxy.tokenizer import get_tokenizer
+from base import wire
+from base.tokenizer import get_tokenizer
 from tests.trajectory import ASSISTANT, END, SYS, USER, grade
 from tests.trajectory import Run as Calls
 from tests.viewer import TOKENIZER, get, snapshot, write_run

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.config import SandboxConfig
 
 ROOT = Path(__file__).resolve().parents[2]

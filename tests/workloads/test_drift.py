@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.typed_config import ConfigError, build
+from base.typed_config import ConfigError, build
 from workloads.config import BundledHarnessConfig, ThinkTimeConfig, WorkloadConfig
 from workloads.drift import run_shape
 from workloads.harnesses import make_harness

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.config import GradingConfig, SandboxConfig, WorkloadConfig
 from workloads.graders.junit import junit_key, read_reports
 from workloads.graders.patches import PatchError, apply_hunks, parse_patch

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.config import WorkloadConfig
 from workloads.sandbox.none import NoSandbox
 from workloads.tasksets import make_taskset, pkgbugs

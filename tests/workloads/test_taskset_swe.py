@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.typed_config import build
+from base.typed_config import build
 from workloads.api import RunArtifacts
 from workloads.config import WorkloadConfig
 from workloads.sandbox.none import NoSandbox

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.typed_config import build
+from base.typed_config import build
 from workloads import harness
 from workloads.config import WorkloadConfig
 from workloads.tasksets.wordmap import TOPICS, Task, make_tasks, task_file_text, write_task_file

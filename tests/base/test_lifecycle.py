@@ -1,4 +1,4 @@
-"""Children of a controller that was SIGKILLed stop by themselves (controller.lifecycle.exit_with_parent)."""
+"""Children of a controller that was SIGKILLed stop by themselves (base.lifecycle.exit_with_parent)."""
 
 import json
 import os
@@ -50,7 +50,7 @@ def test_a_child_stops_when_its_controller_is_killed(tmp_path):
 # A child whose spawner died before the child looked: it was told its parent's pid at spawn.
 ORPHAN = r"""
 import sys, time
-from controller.lifecycle import exit_with_parent
+from base.lifecycle import exit_with_parent
 exit_with_parent(poll_s=0.1, grace_s=5.0)
 time.sleep(60)
 """
@@ -61,7 +61,7 @@ def test_a_child_orphaned_during_its_start_up_stops_too(tmp_path):
     so each cell's first look at its parent already saw its adoptive one and it ran on forever."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that is surely not our child's parent any more
-    from controller.lifecycle import PARENT_PID_ENV
+    from base.lifecycle import PARENT_PID_ENV
 
     child = subprocess.Popen([sys.executable, "-c", ORPHAN], cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT), PARENT_PID_ENV: str(gone.pid)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller.checkpoints import META_FILE, latest_checkpoint, prune
+from base.checkpoints import META_FILE, latest_checkpoint, prune
 
 
 def make(root: Path, version: int, *, complete: bool = True) -> Path:

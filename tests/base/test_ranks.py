@@ -1,11 +1,11 @@
-"""cellrunner.ranks: the launcher's variables in, a checked CellRanks out."""
+"""base.ranks: the launcher's variables in, a checked CellRanks out."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, strategies as st
 
-from cellrunner.ranks import CellRanks, rank_env, ranks_from_env
+from base.ranks import CellRanks, rank_env, ranks_from_env
 
 
 def test_no_variables_is_a_one_process_cell():

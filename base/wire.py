@@ -454,7 +454,7 @@ class GroupDone(Message):
     mean_reward: float | None
     dropped: str = ""
     adv_divisor: float = 0.0
-    """std + adv_eps of the usable rewards (``trajectory.advantages.group_stats``); 0 when every
+    """std + adv_eps of the usable rewards (``base.advantages.group_stats``); 0 when every
     advantage is 0. With ``mean_reward`` it makes a group's advantages from its members' rewards."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import zmq
 import pytest
 
-from controller import curve
+from base import curve
 
 
 @pytest.fixture

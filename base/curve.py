@@ -2,7 +2,7 @@
 
 Each member of a run (``controller``, ``processor``, ``proxy``, ``cell-<i>``) has its own CURVE
 key pair. The keys folder (``runs/<id>/keys/``, mode 0700, made per attempt, or a site folder made
-once with ``python -m controller.curve DIR --cells N``) holds ``peers.json``, every member's public
+once with ``python -m base.curve DIR --cells N``) holds ``peers.json``, every member's public
 key by name, and ``<name>.secret``, each member's secret key (0600). A process is told the folder
 (``--curve-keys DIR``, a path, never a key, on its command line) and its own name.
 
@@ -140,7 +140,7 @@ class _Members:
 
 class _Authenticator(ThreadAuthenticator):
     def __init__(self, context: zmq.Context, run_keys: RunKeys):
-        super().__init__(context, log=logging.getLogger("controller.curve.zap"))
+        super().__init__(context, log=logging.getLogger("base.curve.zap"))
         self.run_keys = run_keys
 
     def curve_user_id(self, client_public_key: bytes) -> str:
@@ -202,7 +202,7 @@ def stop(ctx: zmq.Context | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m controller.curve",
+    p = argparse.ArgumentParser(prog="python -m base.curve",
                                 description="Make a site keys folder for cluster.curve_keys")
     p.add_argument("folder", type=Path)
     p.add_argument("--cells", type=int, required=True)

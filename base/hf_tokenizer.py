@@ -1,5 +1,5 @@
 """A checkpoint's own tokenizer (``model.tokenizer=hf``): its tokenizer.json, offline, through the
-``tokenizers`` library, behind the same interface as ``harness_proxy.tokenizer.QwenTokenizer``.
+``tokenizers`` library, behind the same interface as ``base.tokenizer.QwenTokenizer``.
 
 The template asks for control tokens by name (``<|im_start|>``, ``<tool_call>``...) and gets the
 checkpoint's ids for them. Harness text is data: it is encoded by a second tokenizer built from

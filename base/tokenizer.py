@@ -90,7 +90,7 @@ def load_tokenizer(kind: str, compact_ranks: int, path: str = ""):  # -> QwenTok
     """The run's tokenizer from its model config: the bundled Qwen vocabulary, or (``hf``) the
     checkpoint folder's own tokenizer.json."""
     if kind == "hf":
-        from harness_proxy.hf_tokenizer import get_hf_tokenizer
+        from base.hf_tokenizer import get_hf_tokenizer
 
         if not path:
             raise ValueError("model.tokenizer=hf: want a model.path with a tokenizer.json")

@@ -636,7 +636,7 @@ def stage_times(tok: QwenTokenizer, filler: Filler, *, seed: int, repeats: int) 
     ms over ``repeats`` calls of one growing conversation.
     """
     from harness_proxy.openai_api import completion_body, parse_chat_request, reply_message, usage
-    from harness_proxy.server import parse_generate_response
+    from harness_proxy.engine_client import parse_generate_response
     from harness_proxy.sessions import SessionStore
     from harness_proxy.template import parse_output
 
@@ -657,7 +657,7 @@ def stage_times(tok: QwenTokenizer, filler: Filler, *, seed: int, repeats: int) 
         plan = store.build_prompt("stages", "", chat.messages, chat.tools)
         marks.append(("build_prompt", time.perf_counter()))
         orjson.dumps({"input_ids": plan.prompt_ids, "sampling_params": {"max_new_tokens": 256},
-                      "return_logprob": True, "rid": "x"})  # as ProxyServer._engine_generate encodes it
+                      "return_logprob": True, "rid": "x"})  # as EngineClient._engine_generate encodes it
         marks.append(("encode_engine_request", time.perf_counter()))
         result = parse_generate_response(json.loads(answer), route)
         marks.append(("parse_engine_answer", time.perf_counter()))

@@ -29,20 +29,19 @@ import dataclasses
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-import orjson
 from aiohttp import web
 
-from base import engine_key, wire
+from base import wire
 from harness_proxy import anthropic_api
 from harness_proxy.abuse import AbuseLog, ConnectionGuard, peer_of
 from base.execution_token import verify_token
 from harness_proxy.auth import Revocations, bearer_token
-from harness_proxy.budget import BudgetState, budget_refusal
+from harness_proxy.budget import budget_refusal
+from harness_proxy.call_state import LiveExecution, PlannedCall
 from harness_proxy.config import ProxyConfig
+from harness_proxy.engine_client import EngineClient, EngineResult
 from harness_proxy.memory import TrimAfterSeals
 from harness_proxy.openai_api import (
     ApiError, ChatRequest, completion_body, finish_reason, models_body, new_call_id, parse_chat_request,
@@ -57,118 +56,14 @@ from base.algo_config import RolloutSampling
 
 log = logging.getLogger(__name__)
 
-RETRY_BACKOFF_S = 0.05
-"""First pause before re-routing a call; doubles per attempt up to RETRY_BACKOFF_MAX_S."""
-RETRY_BACKOFF_MAX_S = 1.0
-ROUTE_POLL_S = 0.05
-"""How often a call with no engine to go to looks at the routing table again."""
-ABORT_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
-MAX_TOKEN_ID = 2**31 - 1
 MAX_REVOKED_EXECUTIONS = 65_536
 """Sealed executions held exactly (about 150 bytes each); past them ``auth.Revocations`` evicts by floor."""
 CALL_ID_HEADER = "x-gyre-call-id"
 EXECUTION_TOKEN_HEADER = "x-gyre-execution-token"
 
 
-# ---------------------------------------------------------------- the engine (SGLang's native API)
-
-
-class EngineUnavailable(Exception):
-    """The engine did not produce a usable answer; the call may be retried elsewhere."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineResult:
-    route: wire.EngineRoute
-    output_ids: list[int]
-    output_logprobs: list[float]
-    weight_version: int
-    finish: str
-    """stop | length | abort (abort: the cell is draining; never recorded)."""
-
-
-def parse_generate_response(data: Any, route: wire.EngineRoute) -> EngineResult:
-    """Validate a ``/generate`` answer; raise EngineUnavailable naming what is wrong."""
-    meta = data.get("meta_info") if isinstance(data, dict) else None
-    if not isinstance(meta, dict):
-        raise EngineUnavailable("response: want an object with meta_info")
-    fr = meta.get("finish_reason")
-    finish = fr.get("type") if isinstance(fr, dict) else fr
-    if finish not in ("stop", "length", "abort"):
-        raise EngineUnavailable(f"meta_info.finish_reason: want stop|length|abort, got {fr!r}")
-    if finish == "abort":
-        return EngineResult(route, [], [], 0, "abort")
-    ids = data.get("output_ids")
-    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
-        raise EngineUnavailable("output_ids: want a list of token ids")
-    entries = meta.get("output_token_logprobs")
-    if not isinstance(entries, list) or len(entries) != len(ids):
-        raise EngineUnavailable("meta_info.output_token_logprobs: want one entry per output id")
-    logprobs = []
-    for i, entry in enumerate(entries):
-        lp = entry[0] if isinstance(entry, list) and len(entry) >= 2 else None
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not lp <= 1e-4 or lp != lp:
-            raise EngineUnavailable(f"output_token_logprobs[{i}]: want [logprob <= 0, id, ...], got {entry!r:.60}")
-        if entry[1] != ids[i]:
-            raise EngineUnavailable(f"output_token_logprobs[{i}]: id {entry[1]!r} != output id {ids[i]}")
-        logprobs.append(min(float(lp), 0.0))  # float rounding may leave a hair above 0
-    if any(lp == float("-inf") for lp in logprobs):
-        raise EngineUnavailable("output_token_logprobs: -inf")
-    version = meta.get("weight_version")
-    try:
-        weight_version = int(version)  # SGLang reports it as a string
-    except (TypeError, ValueError):
-        raise EngineUnavailable(f"meta_info.weight_version: want an integer, got {version!r}") from None
-    if weight_version < 0 or isinstance(version, (bool, float)):
-        raise EngineUnavailable(f"meta_info.weight_version: want an integer >= 0, got {version!r}")
-    return EngineResult(route, ids, logprobs, weight_version, finish)
-
-
 # ---------------------------------------------------------------- the server
-
-
-@dataclass
-class _Execution:
-    """A live execution's state; dropped when it is sealed."""
-
-    first_call_at: float
-    """Monotonic seconds of its first call (``proxy.execution_budget.max_wall_s`` counts from here)."""
-    num_calls: int = 0
-    """CallRecords queued so far; the next record's call_index."""
-    num_sent: int = 0
-    """Calls sent to an engine (``max_calls``)."""
-    num_tokens: int = 0
-    """Prompt plus output ids of the calls whose result is known (``max_tokens``)."""
-    in_flight: set[asyncio.Task[EngineResult]] = field(default_factory=set)
-
-    def budget_state(self) -> BudgetState:
-        return BudgetState(first_call_at=self.first_call_at, num_calls=self.num_sent, num_tokens=self.num_tokens,
-                           num_in_flight=len(self.in_flight))
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    execution_id: str
-    agent: str
-    """The session and routing key: whose line of calls this one extends."""
-    call_id: str
-    prompt_ids: list[int]
-    sampling_params: dict[str, Any]
-    asked: tuple[float, float] = (1.0, 1.0)
-    """The harness's own temperature and top_p, recorded beside what the engine used."""
-    lineage: wire.Lineage = "main"
-    agent_id: str = ""
-    """The harness's agent id, recorded on the CallRecord ('' for the main agent)."""
-    lineage_reason: str = ""
-    capped_by_run: bool = False
-    """The run's own cap (``max_new_tokens_cap``), not the harness's ``max_tokens``, bounds this call."""
-
-    def harness_finish(self, engine_finish: str, ends_turn: bool) -> str:
-        """The finish the harness is told: with ``proxy.truncation_ends_turn``, a turn the run's cap cut
-        is an ended turn (the harness goes on instead of asking the model to continue); the
-        CallRecord keeps the engine's own ``length``."""
-        return "stop" if ends_turn and engine_finish == "length" and self.capped_by_run else engine_finish
 
 
 class PromptTooLong(ApiError):
@@ -215,8 +110,7 @@ class ProxyServer:
         self.minted = anthropic_api.MintedToolUses()
         self.url = ""
         self._secret = secret
-        self._engine_api_key = engine_api_key
-        self._executions: dict[str, _Execution] = {}
+        self._executions: dict[str, LiveExecution] = {}
         self.revoked = Revocations(max_revoked)
         self.abuse = AbuseLog()
         self.guard = ConnectionGuard(read_timeout_s=cfg.read_timeout_s, abuse=self.abuse)
@@ -225,12 +119,12 @@ class ProxyServer:
         self.num_refused_sessions = 0
         self.num_restored_executions = 0
         self.num_restored_calls = 0
-        self._opening: dict[str, asyncio.Future[_Execution]] = {}
+        self._opening: dict[str, asyncio.Future[LiveExecution]] = {}
         self.trim = TrimAfterSeals()
         self._min_version: dict[str, int] = {}  # execution id -> oldest weight version it accepts (its token)
         self._evals: set[str] = set()  # live executions whose token says eval: the harness's sampling stands
-        self._background: set[asyncio.Task[Any]] = set()
-        self._http: aiohttp.ClientSession | None = None
+        self.engine = EngineClient(cfg, self.router, min_version=lambda eid: self._min_version.get(eid, 0),
+                                   engine_api_key=engine_api_key)
         self._runner: web.AppRunner | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -249,8 +143,7 @@ class ProxyServer:
 
     async def start(self) -> str:
         """Listen on cfg.host:cfg.port (0: a free port); return the base URL."""
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.engine_timeout_s),
-                                           headers=engine_key.headers(self._engine_api_key))
+        self.engine.start()
         # handler_cancellation: a harness that hangs up cancels its handler, which aborts the engine call.
         # The guard's runner: every site (this TCP one, main's Unix socket) drops slow request heads.
         self._runner = self.guard.runner(
@@ -272,10 +165,7 @@ class ProxyServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._background:
-            await asyncio.wait(self._background, timeout=ABORT_TIMEOUT_S)
-        if self._http is not None:
-            await self._http.close()
+        await self.engine.close()
         log.info("proxy stopped: %d calls recorded; refused %s; sealed %s", self.num_records,
                  self.abuse.snapshot(), self.revoked.stats())
 
@@ -500,7 +390,7 @@ class ProxyServer:
     async def _run_call(
         self, execution_id: str, chat: ChatRequest, *, agent: str, call_id: str,
         make_reply: Any, lineage: wire.Lineage | None = None, agent_id: str = "",
-    ) -> tuple[_Call, EngineResult, dict[str, Any]]:
+    ) -> tuple[PlannedCall, EngineResult, dict[str, Any]]:
         """Plan, generate, record, remember: the API-independent part of one call.
 
         ``lineage`` (with ``agent`` and ``agent_id``) is what the harness's headers said (Claude
@@ -573,7 +463,7 @@ class ProxyServer:
         )
         return call, result, message
 
-    async def _open_execution(self, execution_id: str) -> _Execution:
+    async def _open_execution(self, execution_id: str) -> LiveExecution:
         """The entry of an execution this proxy has no calls of: a new one, or one that was live
         before the proxy restarted. Either way its logged CallRecords are asked of the processor
         first (``trajectory.session_replay``) and remembered again, so splicing, lineage, call
@@ -585,7 +475,7 @@ class ProxyServer:
             opening.add_done_callback(lambda _: self._opening.pop(execution_id, None))
         return await asyncio.shield(opening)
 
-    async def _restore(self, execution_id: str) -> _Execution:
+    async def _restore(self, execution_id: str) -> LiveExecution:
         try:
             replay = await asyncio.wait_for(asyncio.shield(self.sink.replay(execution_id)),
                                             self.cfg.record_ack_timeout_s)
@@ -598,7 +488,7 @@ class ProxyServer:
         exe = self._executions.get(execution_id)
         if exe is not None:  # a call made the entry while the answer came (cannot: every first call waits here)
             return exe
-        exe = self._executions[execution_id] = _Execution(first_call_at=time.monotonic())
+        exe = self._executions[execution_id] = LiveExecution(first_call_at=time.monotonic())
         records = sorted(replay.records, key=lambda r: r.call_index)
         restored = 0
         for r in records:
@@ -616,7 +506,7 @@ class ProxyServer:
                      execution_id, len(records), restored)
         return exe
 
-    def _check_budget(self, execution_id: str, exe: _Execution) -> None:
+    def _check_budget(self, execution_id: str, exe: LiveExecution) -> None:
         """Refuse a call its execution's budget (``proxy.execution_budget``) does not allow: 429 while
         too many of its calls are at an engine (both SDKs retry it), 403 once a budget is used up
         (neither retries it, and retrying would not help)."""
@@ -631,7 +521,7 @@ class ProxyServer:
     def _plan_call(
         self, execution_id: str, agent: str, chat: ChatRequest, *, call_id: str, lineage: wire.Lineage | None,
         agent_id: str,
-    ) -> tuple[_Call, bool]:
+    ) -> tuple[PlannedCall, bool]:
         """Prompt ids, line and sampling for one call; refuse (400) a prompt that leaves no room to answer."""
         plan = self.sessions.build_prompt(
             execution_id, agent, chat.messages, chat.tools, lineage=lineage, agent_id=agent_id
@@ -648,7 +538,7 @@ class ProxyServer:
             r = self.rollout
             used = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}
         sampling = {"max_new_tokens": max_new, **used, "stop_token_ids": [self.tok.im_end, self.tok.endoftext]}
-        call = _Call(
+        call = PlannedCall(
             execution_id=execution_id, agent=plan.agent, call_id=call_id, prompt_ids=plan.prompt_ids,
             sampling_params=sampling, asked=(chat.temperature, chat.top_p), lineage=plan.lineage, agent_id=plan.agent_id,  # type: ignore[arg-type]
             lineage_reason=plan.reason,
@@ -657,7 +547,7 @@ class ProxyServer:
         return call, plan.spliced
 
     def _record(
-        self, exe: _Execution, call: _Call, result: EngineResult, *, started_at: float, finished_at: float,
+        self, exe: LiveExecution, call: PlannedCall, result: EngineResult, *, started_at: float, finished_at: float,
         num_tool_calls: int = 0, session: wire.SessionEntry | None = None,
     ) -> tuple[wire.CallRecord, asyncio.Future[None]]:
         """Queue the call's CallRecord. Synchronous, so no seal can slip between the check and the put:
@@ -681,7 +571,7 @@ class ProxyServer:
         self.num_records += 1
         return record, self.sink.put(record)
 
-    def _record_hang_up(self, exe: _Execution, call: _Call) -> None:
+    def _record_hang_up(self, exe: LiveExecution, call: PlannedCall) -> None:
         """A CallRecord saying the harness hung up mid-call: the prompt, no output, finish ``abort``
         (cell -1: no engine answered). The trajectory tree counts it and adds no path."""
         if self.revoked.is_sealed(call.execution_id):
@@ -718,9 +608,9 @@ class ProxyServer:
 
     # ------------------------------------------------------------ calling engines
 
-    async def _generate_tracked(self, exe: _Execution, call: _Call) -> EngineResult:
+    async def _generate_tracked(self, exe: LiveExecution, call: PlannedCall) -> EngineResult:
         """Run the engine call as a task a seal can cancel; tell a seal from a hang-up."""
-        task = asyncio.ensure_future(self._generate(call))
+        task = asyncio.ensure_future(self.engine.generate(call))
         exe.in_flight.add(task)
         try:
             result = await task
@@ -741,102 +631,6 @@ class ProxyServer:
             ) from None
         finally:
             exe.in_flight.discard(task)
-
-    async def _generate(self, call: _Call) -> EngineResult:
-        """Generate on some engine: on a dead, unavailable or draining one, the same prompt ids go
-        to another engine from the (re-read) routing table, up to cfg.retry_attempts engines."""
-        tried: list[str] = []
-        last = "no serving engine in the routing table"
-        attempts = max(1, self.cfg.retry_attempts)
-        for attempt in range(attempts):
-            if attempt:
-                await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
-            route = await self._wait_for_route(call, tried)
-            if route is None:
-                continue
-            tried.append(route.url)
-            try:
-                with self.router.track(route.url):
-                    result = await self._engine_generate(route, call)
-            except EngineUnavailable as exc:
-                last = f"cell {route.cell_id} ({route.url}): {exc}"
-                self.router.failed(route.url)  # its other sessions move on without a failed try each
-            else:
-                self.router.succeeded(route.url)
-                floor = self._min_version.get(call.execution_id, 0)
-                if result.finish != "abort" and result.weight_version >= floor:
-                    return result
-                if result.finish == "abort":
-                    last = f"cell {route.cell_id} ({route.url}) aborted the request (draining)"
-                else:  # the table listed it too new: never hand the harness (or training) a too-stale call
-                    last = f"cell {route.cell_id} ({route.url}) served weight v{result.weight_version} < v{floor}"
-            log.warning(
-                "call %s (execution %s) attempt %d/%d failed: %s", call.call_id, call.execution_id,
-                attempt + 1, attempts, last,
-            )
-        raise ApiError(
-            503, f"no engine could serve the call after {attempts} attempt(s): {last}",
-            type="server_error", code="engine_unavailable",
-        )
-
-    async def _wait_for_route(self, call: _Call, tried: list[str]) -> wire.EngineRoute | None:
-        """An engine for the call; while none is serving (cells mid-switch), wait for the next
-        routing table up to cfg.route_wait_s, so the harness sees a slower answer, not an error."""
-        deadline = asyncio.get_running_loop().time() + self.cfg.route_wait_s
-        version = self.router.table.version
-        while True:
-            route = self.router.choose(
-                call.execution_id, call.agent, exclude=tried, min_version=self._min_version.get(call.execution_id, 0)
-            )
-            if route is not None or asyncio.get_running_loop().time() >= deadline:
-                return route
-            await asyncio.sleep(ROUTE_POLL_S)
-            if self.router.table.version != version:
-                version = self.router.table.version
-                tried.clear()  # a new table: engines that failed before may be serving again
-
-    async def _engine_generate(self, route: wire.EngineRoute, call: _Call) -> EngineResult:
-        assert self._http is not None, "start() first"
-        payload = {
-            "input_ids": call.prompt_ids, "sampling_params": call.sampling_params,
-            "return_logprob": True, "rid": call.call_id,
-        }
-        try:
-            # orjson: a 100k-id prompt is most of the proxy's time when json.dumps encodes it.
-            body = orjson.dumps(payload)
-            async with self._http.post(
-                f"{route.url}/generate", data=body, headers={"Content-Type": "application/json"}
-            ) as resp:
-                if resp.status == 400:
-                    text = (await resp.text())[:500]
-                    raise ApiError(400, f"the engine refused the request: {text}", code="engine_rejected")
-                if resp.status != 200:
-                    raise EngineUnavailable(f"HTTP {resp.status}")
-                data = await resp.json(content_type=None)
-        except asyncio.CancelledError:
-            self._spawn(self._abort(route.url, call.call_id))
-            raise
-        except TimeoutError:
-            self._spawn(self._abort(route.url, call.call_id))
-            raise EngineUnavailable(f"no answer within {self.cfg.engine_timeout_s} s") from None
-        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a body that is not JSON
-            raise EngineUnavailable(f"{type(exc).__name__}: {exc}") from None
-        return parse_generate_response(data, route)
-
-    async def _abort(self, url: str, rid: str) -> None:
-        assert self._http is not None
-        try:
-            async with self._http.post(
-                f"{url}/abort_request", json={"rid": rid}, timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
-            ) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.info("abort of %s on %s failed: %s", rid, url, exc)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 def _log_unsent(what: str) -> Any:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from base import wire
 from harness_proxy.openai_api import reply_message
-from harness_proxy.sessions import SessionStore, normalize_message, tools_key
+from harness_proxy.session_messages import normalize_message, tools_key
+from harness_proxy.sessions import SessionStore
 from harness_proxy.template import generation_prompt, parse_output, render_appended, render_messages, turn_separator
 from tests.harness_proxy import TOK
 

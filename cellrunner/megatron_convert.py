@@ -38,9 +38,15 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
+
+from base.wire import TensorSpec
+
+if TYPE_CHECKING:  # cellrunner.model reads HF folders through this module
+    from cellrunner.model import FlatWeights
 
 LayerSpec = Literal["local", "transformer_engine"]
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -550,3 +556,39 @@ def save_hf_safetensors(tensors: Mapping[str, torch.Tensor], directory: str, *,
     with open(os.path.join(directory, HF_INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return files
+
+
+# ---------------------------------------------------------------- flat HF weights
+
+
+def hf_specs(layout: Qwen3Layout) -> tuple[TensorSpec, ...]:
+    specs, offset = [], 0
+    for name, shape in hf_shapes(layout).items():
+        specs.append(TensorSpec(name=name, shape=list(shape), offset=offset))
+        offset += int(np.prod(shape, dtype=np.int64))
+    return tuple(specs)
+
+
+def export_units(layout: Qwen3Layout) -> list[tuple[str, tuple[str, ...]]]:
+    """The export's units, the same list on every rank: each megatron tensor (global name, global
+    expert index) and the HF tensors it becomes. Found by converting empty ``meta`` tensors."""
+    meta = {n: torch.empty(shape, device="meta") for n, shape in hf_shapes(layout).items()}
+    return [(name, tuple(hf_from_megatron(name, [t], layout)))
+            for name, t in iter_hf_to_megatron(meta, layout)]
+
+
+def hf_tensors(weights: FlatWeights, layout: Qwen3Layout) -> dict[str, torch.Tensor]:
+    """Views of a FlatWeights buffer as HF tensors; the manifest must be this model's."""
+    want = {s.name: tuple(s.shape) for s in hf_specs(layout)}
+    got = {s.name: tuple(s.shape) for s in weights.specs}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        raise ValueError(f"weights: manifest does not match this model (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}, wrong shape {wrong[:3]})")
+    src = weights.tensor()
+    out = {}
+    for s in weights.specs:
+        n = int(np.prod(s.shape, dtype=np.int64))
+        out[s.name] = src[s.offset : s.offset + n].view(*s.shape)
+    return out

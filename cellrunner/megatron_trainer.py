@@ -19,9 +19,9 @@ sums to its own, divides by the step's executions and steps the optimizer. What 
   share one training layout, so rank r of a satellite and rank r of the core hold the same
   layout; the shapes are checked.
 - Checkpoints: each rank writes its own shard (parameters and Adam state, Megatron layout) as
-  safetensors plus one JSON manifest (``save_checkpoint``/``load_checkpoint``); the HF export is
-  ``weights()``. Megatron's own ``dist_checkpointing`` pickles its metadata (``.metadata``,
-  ``common.pt``) and Gyre never pickles to a file.
+  safetensors plus one JSON manifest (``cellrunner.megatron_checkpoint``); the HF export is
+  ``weights()``. Process groups, the TransformerConfig and the layer spec come from
+  ``cellrunner.megatron_setup``.
 
 Every rank of a cell calls the same methods with the same arguments (SPMD). With one process per
 cell (the default) the trainer starts its own one-rank process group.
@@ -32,226 +32,46 @@ Runs on CUDA unpatched. On a CPU-only torch megatron-core 0.16 needs the shims o
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cellrunner import param_offload
 from cellrunner.errors import BackendUnavailable
 from cellrunner.config import MegatronConfig, ModelConfig
 from cellrunner.gspo import LossStats, PackedBatch, gspo_loss, pack
 from cellrunner.megatron_convert import (
-    HFFolder, Qwen3Layout, global_expert_name, hf_from_megatron, hf_shapes, is_expert, iter_hf_to_megatron,
-    layout_from_hf, tp_split_dim,
+    HFFolder, export_units, global_expert_name, hf_from_megatron, hf_specs, hf_tensors, is_expert,
+    iter_hf_to_megatron, layout_from_hf, tp_split_dim,
 )
+from cellrunner.megatron_checkpoint import MegatronCheckpoints
 from cellrunner.megatron_logprobs import chunked_token_logprobs
+from cellrunner.megatron_setup import (  # megatron-core is imported once, there
+    IMPORT_ERROR as _IMPORT_ERROR, DistributedDataParallel, DistributedDataParallelConfig, GPTModel, OptimizerConfig,
+    attention_backend, block_spec, ensure_process_groups, finalize_model_grads, get_forward_backward_func,
+    get_megatron_optimizer, parallel_state, rope_theta, transformer_config,
+    fix_moe_without_transformer_engine,
+)
 from cellrunner.model import FlatWeights, build_model, hf_config
 from cellrunner.trainer import MicrostepResult, split_by_tokens
-from base.checkpoints import META_FILE, Checkpoint
 from base.wire import Shard, TensorSpec, WeightsDtype
 from base.algo_config import AlgoConfig
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "trainer=megatron needs megatron-core: `pip install megatron-core==0.16.1 psutil` (Python 3.11)"
-CHECKPOINT_MANIFEST = "gyre_megatron.json"
-CHECKPOINT_FORMAT = 1
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronUnavailable(BackendUnavailable):
     """``trainer=megatron`` was chosen but megatron-core cannot be imported."""
-
-
-
-
-try:  # megatron-core is in the [test] and [gpu] installs, not the default one
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    _IMPORT_ERROR: ImportError | None = None
-except ImportError as exc:  # pragma: no cover - exercised only on installs without megatron
-    _IMPORT_ERROR = exc
-
-
-# ---------------------------------------------------------------- process groups and config
-
-
-def ensure_process_groups(cfg: MegatronConfig, *, seed: int) -> None:
-    """Start torch.distributed (one rank, or env:// under torchrun/srun) and Megatron's groups."""
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            dist.init_process_group(backend, init_method="env://")
-        else:  # a one-process cell needs no rendezvous: an in-process store
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    tp, pp, ep = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size
-    if parallel_state.model_parallel_is_initialized():
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size())
-        if have != (tp, pp, ep):
-            raise RuntimeError(f"megatron groups already initialised as tp/pp/ep={have}, want {(tp, pp, ep)}")
-        return
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp*pp = {tp * pp}")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def transformer_config(hf: Any, layout: Qwen3Layout, cfg: MegatronConfig) -> TransformerConfig:
-    """A Qwen3 TransformerConfig from an HF config (dense, or MoE when it has experts)."""
-    on_gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cfg.params_dtype == "bfloat16" else torch.float32
-    moe: dict[str, Any] = {}
-    if layout.num_experts:
-        moe = dict(
-            num_moe_experts=layout.num_experts,
-            moe_router_topk=int(hf.num_experts_per_tok),
-            moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
-            moe_layer_freq=[1 if layout.is_moe(i) else 0 for i in range(layout.num_layers)],
-            # Qwen3-MoE: softmax over all experts, top-k, renormalised iff norm_topk_prob; Megatron's
-            # top-k-then-softmax equals the renormalised form.
-            moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", True)),
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-            # all-to-all is the one for expert parallelism and the one variable sequence lengths
-            # (PP > 1) allow; Megatron's default all-gather otherwise.
-            moe_token_dispatcher_type="alltoall" if cfg.expert_model_parallel_size > 1
-            or cfg.pipeline_model_parallel_size > 1 else "allgather",
-            moe_grouped_gemm=False,
-            expert_tensor_parallel_size=1,
-        )
-    return TransformerConfig(
-        num_layers=layout.num_layers,
-        hidden_size=layout.hidden_size,
-        num_attention_heads=layout.num_heads,
-        num_query_groups=layout.num_kv_heads,
-        kv_channels=layout.head_dim,
-        ffn_hidden_size=layout.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf.rms_norm_eps),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
-        qk_layernorm=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        sequence_parallel=False,
-        # Leave the loss a sum: no division by tokens or microbatches, DDP sums over DP ranks.
-        calculate_per_token_loss=True,
-        variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
-        # Weights are always loaded right after the build, so nothing is initialised.
-        perform_initialization=False,
-        use_cpu_initialization=not on_gpu,
-        # Fusions need apex / Megatron's compiled kernels; the unfused paths compute the same.
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        **recompute_args(cfg),
-        **moe,
-    )
-
-
-def recompute_args(cfg: MegatronConfig) -> dict[str, Any]:
-    """Megatron's activation recompute fields from ``MegatronConfig``."""
-    if cfg.recompute_granularity == "none":
-        return {}
-    if cfg.recompute_granularity == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    return dict(recompute_granularity="full", recompute_method=cfg.recompute_method,
-                recompute_num_layers=cfg.recompute_num_layers)
-
-
-def _fix_moe_without_transformer_engine() -> None:
-    """megatron-core 0.16.1's router gate tests ``te_general_gemm is not None`` but defines the
-    name only when Transformer Engine imports, so a MoE model without TE dies with a NameError
-    on any device. Define it as None: the unfused matmul path it guards then runs, as intended."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def block_spec(tconfig: TransformerConfig, cfg: MegatronConfig) -> Any:
-    """This pipeline stage's layers: dense or MoE per ``moe_layer_freq``, local or TE modules;
-    the local spec's core attention is torch's SDPA unless ``local_attention: unfused``."""
-    spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=cfg.layer_spec == "transformer_engine",
-                                      normalization="RMSNorm")
-    if cfg.layer_spec == "local" and cfg.local_attention == "sdpa":
-        from cellrunner.megatron_attention import SDPAttention
-
-        spec = copy.deepcopy(spec)  # megatron may hand out shared spec objects
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
-
-
-def attention_backend(cfg: MegatronConfig) -> str:
-    """Which core attention the model runs, as reported in the log and by the trainer."""
-    if cfg.layer_spec == "transformer_engine":
-        return "transformer_engine"
-    return "torch_sdpa" if cfg.local_attention == "sdpa" else "megatron_unfused"
-
-
-def rope_theta(hf: Any) -> float:
-    params = getattr(hf, "rope_parameters", None)  # transformers 5 moved it here
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(hf.rope_theta)
-
-
-# ---------------------------------------------------------------- flat HF weights
-
-
-def hf_specs(layout: Qwen3Layout) -> tuple[TensorSpec, ...]:
-    specs, offset = [], 0
-    for name, shape in hf_shapes(layout).items():
-        specs.append(TensorSpec(name=name, shape=list(shape), offset=offset))
-        offset += int(np.prod(shape, dtype=np.int64))
-    return tuple(specs)
-
-
-def export_units(layout: Qwen3Layout) -> list[tuple[str, tuple[str, ...]]]:
-    """The export's units, the same list on every rank: each megatron tensor (global name, global
-    expert index) and the HF tensors it becomes. Found by converting empty ``meta`` tensors."""
-    meta = {n: torch.empty(shape, device="meta") for n, shape in hf_shapes(layout).items()}
-    return [(name, tuple(hf_from_megatron(name, [t], layout)))
-            for name, t in iter_hf_to_megatron(meta, layout)]
 
 
 def microbatches(chunks: list[list[Any]], dp_rank: int, dp_size: int, *, even: bool) -> list[PackedBatch]:
@@ -268,27 +88,10 @@ def microbatches(chunks: list[list[Any]], dp_rank: int, dp_size: int, *, even: b
     return batches
 
 
-def hf_tensors(weights: FlatWeights, layout: Qwen3Layout) -> dict[str, torch.Tensor]:
-    """Views of a FlatWeights buffer as HF tensors; the manifest must be this model's."""
-    want = {s.name: tuple(s.shape) for s in hf_specs(layout)}
-    got = {s.name: tuple(s.shape) for s in weights.specs}
-    if got != want:
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
-        raise ValueError(f"weights: manifest does not match this model (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}, wrong shape {wrong[:3]})")
-    src = weights.tensor()
-    out = {}
-    for s in weights.specs:
-        n = int(np.prod(s.shape, dtype=np.int64))
-        out[s.name] = src[s.offset : s.offset + n].view(*s.shape)
-    return out
-
-
 # ---------------------------------------------------------------- the trainer
 
 
-class MegatronTrainer:
+class MegatronTrainer(MegatronCheckpoints):
     """One cell's Megatron replica. Methods and return values as ``EmbeddedTrainer``'s."""
 
     def __init__(self, *, model_cfg: ModelConfig, algo: AlgoConfig, vocab_size: int, is_core: bool,
@@ -616,83 +419,6 @@ class MegatronTrainer:
             dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
         return not bool(nonzero.item())
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def save_checkpoint(self, checkpoint_dir: str) -> str:
-        """This version under ``<checkpoint_dir>/v<N>/``, the layout of ``base.checkpoints``:
-        each rank of DP replica 0 writes its shard (parameters and Adam state) into a temporary
-        folder; rank 0 adds the manifest and ``checkpoint.json`` last and renames the folder into
-        place, so a job killed mid-write leaves the previous checkpoint the newest."""
-        from safetensors.torch import save_file
-
-        assert self.model is not None
-        final = Path(checkpoint_dir) / f"v{self.version}"
-        tmp = Path(checkpoint_dir) / f".v{self.version}.tmp"
-        leader, multi = dist.get_rank() == 0, dist.get_world_size() > 1
-        if leader:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        if multi:
-            dist.barrier()
-        if self.dp_rank == 0:
-            tensors = {f"param/{n}": self._values(t).float().contiguous().cpu() for n, t in self._named_params().items()}
-            for n, state in self._adam_state().items():
-                for k, v in state.items():
-                    tensors[f"{k}/{n}"] = v.float().contiguous().cpu() if v.dim() else v.reshape(1).float().cpu()
-            save_file(tensors, str(tmp / self._shard_file()), metadata={"format": "pt"})
-        if multi:
-            dist.barrier()
-        if leader:
-            (tmp / CHECKPOINT_MANIFEST).write_text(json.dumps({
-                "format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout_key(),
-                "has_optimizer": self.optimizer is not None}, indent=1))
-            (tmp / META_FILE).write_text(json.dumps({"version": self.version, "trainer": "megatron"}))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        if multi:
-            dist.barrier()
-        return str(final)
-
-    def restore(self, ckpt: Checkpoint) -> None:
-        """Core only, instead of the first ``start(None)``: resume from ``save_checkpoint``'s folder."""
-        assert self.is_core and self.model is None, "restore() replaces the first start()"
-        self.start(None)
-        self.load_checkpoint(str(ckpt.path))
-        if self.version != ckpt.version:
-            raise ValueError(f"{ckpt.path}: holds version {self.version}, the folder says {ckpt.version}")
-
-    def load_checkpoint(self, directory: str) -> None:
-        """Load one ``v<N>`` folder ``save_checkpoint`` wrote into a started replica of the same layout."""
-        from safetensors.torch import load_file
-
-        assert self.model is not None, "load_checkpoint before start()"
-        assert not self._offloaded, "load_checkpoint while offloaded: start() brings the replica back first"
-        try:
-            with open(os.path.join(directory, CHECKPOINT_MANIFEST)) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{directory}: not a Megatron checkpoint ({exc})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{CHECKPOINT_MANIFEST}: want format {CHECKPOINT_FORMAT}")
-        if manifest.get("layout") != self._layout_key():
-            raise ValueError(f"checkpoint layout {manifest.get('layout')} differs from this replica's "
-                             f"{self._layout_key()}; reshard through the HF export (weights())")
-        version = manifest.get("version")
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"{CHECKPOINT_MANIFEST}: version: want an int >= 0, got {version!r}")
-        tensors = load_file(os.path.join(directory, self._shard_file()))
-        with torch.no_grad():
-            for n, p in self._named_params().items():
-                t = tensors.get(f"param/{n}")
-                if t is None or tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"checkpoint shard {self._shard_file()}: {n} missing or of another shape")
-                p.copy_(t.to(p.dtype))
-        if self.optimizer is not None:
-            if hasattr(self.optimizer, "reload_model_params"):
-                self.optimizer.reload_model_params()  # fp32 main copies of bf16 weights
-            self._set_adam_state(tensors)
-        self.version = version
-
     def grad_numel(self) -> int:
         """Elements of this rank's flat gradient (``take_grads``' length)."""
         assert self.model is not None
@@ -702,7 +428,7 @@ class MegatronTrainer:
 
     def _build(self) -> None:
         if self.layout.num_experts:
-            _fix_moe_without_transformer_engine()
+            fix_moe_without_transformer_engine()
         gpt = GPTModel(
             config=self.tconfig, transformer_layer_spec=block_spec(self.tconfig, self.cfg),
             vocab_size=self.layout.padded_vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
@@ -831,56 +557,6 @@ class MegatronTrainer:
             return batch
         fields = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
         return PackedBatch(**fields)
-
-    def _adam_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Adam moments (and fp32 main weights under bf16) by global megatron name."""
-        if self.optimizer is None:
-            return {}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, (main, state) in self._optimizer_params().items():
-            entry = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            if main is not None:
-                entry["main"] = self._values(main).detach()
-            out[name] = entry
-        return out
-
-    def _set_adam_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, (main, state) in self._optimizer_params().items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                t = tensors.get(f"{key}/{name}")
-                if t is None:
-                    continue
-                state[key] = t.reshape(()) if key == "step" else t.to(self.device)
-            if main is not None and f"main/{name}" in tensors:
-                main.data.copy_(tensors[f"main/{name}"].to(main.device))
-
-    def _optimizer_params(self) -> dict[str, tuple[torch.Tensor | None, dict]]:
-        """name -> (fp32 main copy or None, the torch optimizer's state dict for it)."""
-        by_id = {id(p): n for n, p in self._named_params().items()}
-        out: dict[str, tuple[torch.Tensor | None, dict]] = {}
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            if hasattr(opt, "float16_groups"):  # mixed precision: model params and fp32 mains pair up
-                for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-                    for p, main in zip(model_group, main_group):
-                        out[by_id[id(p)]] = (main, inner.state.setdefault(main, {}))
-                for group in opt.fp32_from_fp32_groups:
-                    for p in group:
-                        out[by_id[id(p)]] = (None, inner.state.setdefault(p, {}))
-            else:
-                for group in inner.param_groups:
-                    for p in group["params"]:
-                        out[by_id[id(p)]] = (None, inner.state.setdefault(p, {}))
-        return out
-
-    def _shard_file(self) -> str:
-        return (f"tp{self.tp_rank:02d}_pp{parallel_state.get_pipeline_model_parallel_rank():02d}"
-                f"_ep{self.ep_rank:02d}.safetensors")
-
-    def _layout_key(self) -> dict[str, Any]:
-        return {"tp": self.tp_size, "pp": self.cfg.pipeline_model_parallel_size,
-                "ep": self.cfg.expert_model_parallel_size, "params_dtype": self.cfg.params_dtype,
-                "padded_vocab_size": self.layout.padded_vocab_size, "layer_spec": self.cfg.layer_spec}
 
     def _offload(self) -> None:
         """Weights, gradient buffers and Adam state to host memory while serving (``stop`` calls it

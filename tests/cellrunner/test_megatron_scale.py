@@ -312,7 +312,7 @@ def old_token_logprobs(logits, targets, temperature, pad_cols):
     """The trainer's log-probs before chunking: megatron's cross entropy on the whole block."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from cellrunner.megatron_trainer import ensure_process_groups
+    from cellrunner.megatron_setup import ensure_process_groups
 
     ensure_process_groups(megatron_cfg(), seed=0)  # one rank: megatron's TP group of one
     lg = logits[:, :-1].float() / temperature

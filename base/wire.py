@@ -463,7 +463,7 @@ class GroupDone(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionMessage(Message):
-    """One message as the proxy's sessions compare it (``harness_proxy.sessions.normalize_message``):
+    """One message as the proxy's sessions compare it (``harness_proxy.session_messages.normalize_message``):
     role, text, and each tool call as ``[name, arguments as canonical JSON]``."""
 
     TAG: ClassVar[str] = "session_message"
@@ -537,7 +537,7 @@ class CallRecord(Message):
     """What the harness asked for (its default when it named none), kept beside what was used."""
     harness_top_p: float = 1.0
     lineage_reason: str = ""
-    """Why the call got its ``lineage`` (``harness_proxy.sessions.REASONS``): the rule that decided it,
+    """Why the call got its ``lineage`` (``harness_proxy.lineage.REASONS``): the rule that decided it,
     and whether a harness-specific hint (a header, a summary marker) did."""
     session: SessionEntry | None = None
     """What the proxy's sessions remembered of the call (None for a call that produced nothing)."""

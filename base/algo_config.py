@@ -51,7 +51,7 @@ class AlgoConfig:
     max_trajectories_per_execution: int
     """Bounded sampling: at most this many trajectories of one execution are trained (by priority)."""
     rollout: RolloutSampling
-    release: Literal["group", "run"] = "group"
+    release: Literal["group", "run"]
     """When an execution's data may train. ``group``: in shards with advantages, once its whole
     group is graded. ``run``: as soon as it is graded, with advantages applied when the group
     closes (the same update, exactly: cellrunner.run_release). ``run`` keeps a gradient-sized

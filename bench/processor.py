@@ -44,8 +44,9 @@ from pathlib import Path
 
 from bench.fixtures import algo_config, executions, median, preset, run_info
 from base.wire import CallRecord, ExecutionSealed, Grade, decode, encode
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog
-from trajectory.processor import Processor, ProcessorService
+from trajectory.processor import Processor
 
 DRAIN = 512
 

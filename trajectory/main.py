@@ -25,8 +25,10 @@ from base import curve
 from base.lifecycle import exit_with_parent
 from base.typed_config import ConfigError, build
 from base.algo_config import AlgoConfig
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog
-from trajectory.processor import Processor, ProcessorService, serve
+from trajectory.processor import Processor
+from trajectory.service import serve
 
 log = logging.getLogger(__name__)
 

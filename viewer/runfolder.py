@@ -23,9 +23,10 @@ from typing import Any
 from base import wire
 from base.typed_config import build
 from base.tokenizer import QwenTokenizer, get_tokenizer
+from trajectory.delivery import ProcessorService
 from trajectory.log import decode_marker, read_from
 from trajectory.main import ProcessorConfig
-from trajectory.processor import Processor, ProcessorService
+from trajectory.processor import Processor
 
 LOG_TAIL_BYTES = 8000
 """Of the harness's stdout.log and stderr.log, the page shows this much of the end."""

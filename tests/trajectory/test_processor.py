@@ -24,8 +24,9 @@ from base.wire import (
     encode,
 )
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, algo, grade
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog
-from trajectory.processor import Processor, ProcessorService
+from trajectory.processor import Processor
 
 
 def make_run(execution_id: str, *, turns: int = 2) -> Run:

@@ -16,8 +16,9 @@ from base.wire import GroupDone, Message, Sequence, Shard, decode, encode
 from tests.trajectory import ASSISTANT, END, SYS, TOOL, USER, Run, algo, grade
 from tests.trajectory.test_processor import feed, frames_of, group_messages, processor, shards_of
 from base.advantages import advantage
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog, decode_marker
-from trajectory.processor import Processor, ProcessorService
+from trajectory.processor import Processor
 
 
 def run_processor(*, min_usable: int = 1, max_tokens: int = 4096) -> Processor:

@@ -9,8 +9,8 @@ from pathlib import Path
 from base import wire
 from tests.trajectory import Run
 from tests.trajectory.test_processor import processor
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog
-from trajectory.processor import ProcessorService
 
 
 def service(path: Path) -> ProcessorService:

@@ -17,8 +17,9 @@ from pathlib import Path
 from base import wire
 from base.typed_config import to_dict
 from tests.trajectory import algo
+from trajectory.delivery import ProcessorService
 from trajectory.log import AppendLog
-from trajectory.processor import Processor, ProcessorService
+from trajectory.processor import Processor
 
 TOKENIZER = {"tokenizer": "qwen_compact", "compact_ranks": 4096}  # the proxy tests' TOK
 

@@ -3,84 +3,50 @@
 One thread, one ZeroMQ ROUTER: cellrunners, the proxy and the processor are DEALER peers. Each
 tick gathers state (messages, harness exits, heartbeats), asks the pure scheduler what to do,
 and applies it. Every decoded message is validated; a bad one is logged and answered with an
-ErrorReply, and the run goes on.
+ErrorReply, and the run goes on. Its child services (processor, proxy) are a
+``controller.services.RunServices`` it owns; its stages walk ``controller.stages.STAGES``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import secrets
-import shutil
-import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
-from base import curve, engine_key, wire
+from base import curve, wire
 from controller.cells import Cell, CellRegistry
-from base.checkpoints import Checkpoint, due, latest_checkpoint, prune
+from base.checkpoints import due, latest_checkpoint, prune
 from controller.config import GyreConfig
 from controller.health import HealthMonitor
-from controller.executions import Execution, ExecutionManager, ProxyEndpoint
-from controller.processes import CellLauncher, LocalCells, StartError, log_tail, spawn, stop, wait_ready
+from controller.executions import Execution, ExecutionManager
+from controller.processes import CellLauncher, LocalCells, StartError, log_tail
 from controller.loggers import build_loggers
 from controller.report import MetricsSink
 from controller.scheduler import SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
+from controller.services import RunFailed, RunServices, cellrunner_config, make_keys, make_run_dir
 from controller.slurm_launch import SlurmCells, resolve_host
+from controller.stages import EvalRound, RunStages, Stage
 from controller.step_stats import StepFigures
 from controller.steps import StepCoordinator
-from base.typed_config import to_dict
-from base.execution_token import write_secret
 from workloads.parts import build_parts, cgroup_run_name
 
 log = logging.getLogger(__name__)
 
+# Some live in controller.services and controller.stages; importable here, where callers look.
+__all__ = ["Controller", "EvalRound", "RunFailed", "cellrunner_config", "make_run_dir"]
+
 MAX_REPLACEMENT_GROUPS_PER_STEP = 4
-CLOSING_GRACE_S = 5.0
-"""How long a finished run waits for the processor's last ExecutionFacts."""
-UNIX_PATH_MAX = 100
-"""Bytes of a Unix socket path we use at most (Linux's sun_path holds 108 with its NUL)."""
 
 
-class RunFailed(RuntimeError):
-    """The run cannot go on. ``resumable``: a new attempt from the newest checkpoint can (a dead
-    core, a service past its restarts), so ``gyre`` starts one itself (``run.auto_resume``)."""
-
-    def __init__(self, message: str, *, resumable: bool = False):
-        super().__init__(message)
-        self.resumable = resumable
-
-
-@dataclass
-class EvalRound:
-    label: str
-    at_step: int
-    executions: list[Execution] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return all(ex.settled for ex in self.executions)
-
-    def mean(self) -> float | None:
-        """Mean reward of the graded runs: a grader failure or a crashed harness is left out
-        (and logged), never scored 0, as in training."""
-        rewards = [ex.reward for ex in self.executions if ex.reward is not None]
-        return sum(rewards) / len(rewards) if rewards else None
-
-
-class Controller:
+class Controller(RunStages):
     def __init__(self, cfg: GyreConfig, run_dir: Path):
         self.cfg = cfg
         self.run_dir = run_dir.resolve()  # sandboxes bind paths (workspaces, the proxy's socket) as they are
         self.log_dir = run_dir / "logs"
-        # Attempts of one run folder (a requeued job): 0, then one more per earlier processor log.
-        self.attempt = sum(1 for p in run_dir.glob("processor*") if p.is_dir())
         # Where cells run: one explicit choice per cluster.kind (the node list is read here, so a
         # bad allocation fails before any process starts).
         self.cell_launcher: CellLauncher = (
@@ -92,8 +58,8 @@ class Controller:
         # This attempt's own context, terminated at its shutdown: a new attempt in the same process
         # (run.auto_resume) starts on a clean one, with its own ZAP handler and inproc names.
         self.ctx = zmq.Context()
-        self.keys_dir = self.make_keys(run_dir)
-        curve.install(self.keys_dir, "controller")
+        keys_dir = make_keys(cfg.cluster, run_dir)
+        curve.install(keys_dir, "controller")
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -115,18 +81,14 @@ class Controller:
         self.train_tasks, self.eval_tasks = self.parts.taskset.split()
         self.rng = random.Random(cfg.run.seed)
         self.secret = secrets.token_bytes(32)
-        self.engine_key_file: Path | None = None
-        self.children: dict[str, object] = {}
         self.executions: ExecutionManager | None = None
-        self.proxy_url = ""
-        self.socket_dir: Path | None = None
         self.last_execution_error = ""
         self.routing_version = 0
         self.routed: tuple = ()
         self.planned_steps = 0
         self.replacements: dict[int, int] = {}
         self.group_last_end: dict[str, float] = {}  # training group -> its latest run's end (monotonic)
-        self.stage = "starting"  # starting -> eval_start -> train -> final -> eval_end -> closing -> done
+        self.stage: Stage = "starting"  # moved by set_stage, along controller.stages.STAGES
         self.facts_seen: set[str] = set()
         self.closing_until = 0.0
         self.evals: list[EvalRound] = []
@@ -138,38 +100,32 @@ class Controller:
         # Hello; one leaves when the processor says it has it (ExecutionFacts, GroupDone).
         self.grades_owed: dict[str, wire.Grade] = {}
         self.delivered = wire.Delivered()  # what the processor sent that we took, acknowledged per tick
-        self.records_addr = ""
-        self.proxy_socket: Path | None = None
-        self.restarts: Counter[str] = Counter()  # processor / proxy -> restarts in place so far
         self.sealed: list[str] = []  # executions whose SealExecution went out, again to a new proxy
-        self.service_seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
         self.start_digests: dict[int, tuple[int, str]] = {}  # weight version -> (first cell, its weights digest)
-        self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
         self.ident_names: dict[bytes, str] = {}  # the reverse, for the per-frame sender check
         self.t0 = time.monotonic()
         self.next_progress = 0.0
+        # The processor and the proxy, and what the run's children are started with.
+        self.services = RunServices(cfg, self.run_dir, self.log_dir, controller_addr=self.addr, keys_dir=keys_dir,
+                                    secret=self.secret, metrics=self.metrics, t0=self.t0)
 
     # ================================================================ start and stop
 
     def start(self) -> None:
-        c = self.cfg
-        self.records_addr = self.start_processor(f"tcp://{self.host}:0")
-        proxy_ready = self.start_proxy(c.proxy.port)
-        self.proxy_url = proxy_ready["url"]
-        unix_socket = proxy_ready.get("unix_socket")
+        c, svc = self.cfg, self.services
+        proxy = svc.start(f"tcp://{self.host}:0", c.proxy.port)
         self.executions = ExecutionManager(
             workload=c.workload, taskset=self.parts.taskset, harness=self.parts.harness, sandbox=self.parts.sandbox,
-            work_dir=self.attempt_dir("work"),
-            proxy=ProxyEndpoint(url=self.proxy_url, unix_socket=Path(unix_socket) if unix_socket else None),
+            work_dir=svc.attempt_dir("work"), proxy=proxy,
             model_name=c.proxy.model_name, secret=self.secret, limits=self.parts.limits, cgroups=self.parts.cgroups,
         )
         cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir,
                                      resume_from=self.resume_from)
-        cfg_path = self._write_json("cellrunner.json", cell_cfg)
+        cfg_path = svc.write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(
                 cell.cell_id, ["--config-json", str(cfg_path), "--cell-id", str(cell.cell_id), "--controller", self.addr,
-                               *self.curve_args(), *self.engine_key_args()],
+                               *svc.curve_args(), *svc.engine_key_args()],
                 self.log_dir)
         deadline = time.monotonic() + c.cluster.start_timeout_s
         # Grades and routing tables go to peers by name: wait for every Hello, not just the cells.
@@ -183,16 +139,11 @@ class Controller:
             self._drain_socket(timeout_ms=100)
         self.resume_from_core()
         self.push_routing()
-        # Where everything listens, for operators and tests (the processor's address is in its ready file).
-        core = self.cells.cells[c.cluster.core_cell]
-        self._write_json("endpoints.json", {"controller": self.addr, "proxy": self.proxy_url,
-                                            "cells": {i: cell.engine_url for i, cell in self.cells.cells.items()},
-                                            "cell_servers": {i: cell.engine_urls for i, cell in self.cells.cells.items()},
-                                            "core_weights": core.weights_addr, "core_grads": core.grads_addrs})
-        self.stage = "eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train"
+        svc.write_endpoints(self.cells)
+        self.set_stage("eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train")
         if self.stage == "eval_start":
             self.start_eval("start")
-        log.info("gyre: %d cells up, proxy at %s, controller at %s", len(self.cells.cells), self.proxy_url, self.addr)
+        log.info("gyre: %d cells up, proxy at %s, controller at %s", len(self.cells.cells), svc.proxy_url, self.addr)
 
     def resume_from_core(self) -> None:
         """A requeued job: the core came up from checkpoint N > 0 (``self.resume_from``), so the run
@@ -215,112 +166,13 @@ class Controller:
                 self.send_to(f"cell-{cell.cell_id}",
                              wire.LoadWeights(weight_version=version, core_weights_addr=self.core_addr()))
 
-    def start_processor(self, records_addr: str) -> str:
-        """Start the trajectory processor with its records socket on ``records_addr``; return the
-        address it bound (the port resolved), where the proxy sends."""
-        c = self.cfg
-        ready = self._start_child(
-            "processor", "trajectory.main",
-            {"algo": to_dict(c.algo), "workload": {"min_usable_per_group": c.workload.min_usable_per_group}},
-            ["--bind-records", records_addr, "--log-dir", str(self.attempt_dir("processor")), *self.curve_args(),
-             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
-        )
-        return ready["records_addr"]
-
-    def start_proxy(self, port: int) -> dict:
-        """Start the harness proxy on ``port`` (0: any); return its ready file (its URL)."""
-        c = self.cfg
-        if self.proxy_socket is None:
-            self.proxy_socket = self.proxy_socket_path()
-        return self._start_child(
-            "proxy", "harness_proxy.main",
-            {"proxy": {**to_dict(c.proxy), "port": port},
-             "model": {"tokenizer": c.model.tokenizer, "compact_ranks": c.model.compact_ranks, "path": c.model.path},
-             "rollout": to_dict(c.algo.rollout)},
-            ["--processor", self.records_addr, "--secret-file", str(self.secret_file()),
-             "--unix-socket", str(self.proxy_socket), *self.curve_args(), *self.engine_key_args(),
-             "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
-        )
-
-    def restart_proxy(self) -> None:
-        """The proxy again on its port and Unix socket, so harnesses (which retry) and sandbox
-        relays reach it where they did. It knows no session: a harness's next call is rendered
-        from its messages (a new branch of the execution's tree where the ids differ)."""
-        port = int(self.proxy_url.rsplit(":", 1)[1])
-        url = self.start_proxy(port)["url"]
-        if url != self.proxy_url:
-            raise RunFailed(f"the proxy came back at {url}, not {self.proxy_url}, where the harnesses call")
-
-    def _start_child(self, name: str, module: str, config: dict, extra: list[str]) -> dict:
-        cfg_path = self._write_json(f"{name}.json", config)
-        ready = self.run_dir / f"{name}.ready"
-        ready.unlink(missing_ok=True)  # an earlier attempt's file would announce a process long gone
-        proc = spawn(name, module, ["--config-json", str(cfg_path), "--controller", self.addr,
-                                    "--ready-file", str(ready), *extra], self.log_dir)
-        self.children[name] = proc
-        return wait_ready(name, proc, ready, self.log_dir, self.cfg.cluster.start_timeout_s)
-
-    def make_keys(self, run_dir: Path) -> Path | None:
-        """The run's CURVE keys: a site folder, or fresh ones for this attempt in the run folder
-        (an earlier attempt's processes must not get in). None with ``cluster.curve`` off."""
-        c = self.cfg.cluster
-        if not c.curve:
-            log.warning("cluster.curve=false: the run's ZeroMQ sockets admit anyone who can reach them")
-            return None
-        if c.curve_keys:
-            return Path(c.curve_keys)
-        folder = run_dir / "keys"
-        curve.create_keys(folder, curve.member_names(c.num_cells))
-        return folder
-
-    def curve_args(self) -> list[str]:
-        return ["--curve-keys", str(self.keys_dir)] if self.keys_dir else []
-
-    def engine_key_args(self) -> list[str]:
-        """A fresh engine API key for this start (``base.engine_key``), for the cells and the proxy."""
-        if self.engine_key_file is None:
-            self.engine_key_file = engine_key.write_key(self.run_dir / "engine.key")
-        return ["--engine-key-file", str(self.engine_key_file)]
-
-    def secret_file(self) -> Path:
-        """The token secret for the proxy, in a 0600 file of the run folder: a command line is
-        readable by every local user through /proc."""
-        path = self.run_dir / "proxy.secret"
-        write_secret(path, self.secret)
-        return path
-
-    def proxy_socket_path(self) -> Path:
-        """Where the proxy also listens for the sandboxes' relays: a 0700 folder of its own, bound
-        whole into each sandbox (so a proxy restarted in place is found again there), in the run
-        folder when the path fits AF_UNIX's 108 bytes, else a temporary one removed at shutdown."""
-        folder = self.run_dir / "proxy-socket"
-        if len(os.fsencode((folder / "proxy.sock").resolve())) < UNIX_PATH_MAX:
-            folder.mkdir(mode=0o700, exist_ok=True)
-            return folder / "proxy.sock"
-        self.socket_dir = Path(tempfile.mkdtemp(prefix="gyre-"))
-        return self.socket_dir / "proxy.sock"
-
-    def attempt_dir(self, name: str) -> Path:
-        """``name/`` on a run's first attempt, ``name.<k>/`` on attempt k of a resumed run: the
-        processor's log and the workspaces of the old attempt belong to executions that died with
-        it, and must not be replayed into (or mistaken for) this attempt's."""
-        return self.run_dir / (name if self.attempt == 0 else f"{name}.{self.attempt}")
-
-    def _write_json(self, name: str, obj: dict) -> Path:
-        path = self.run_dir / name
-        path.write_text(json.dumps(obj, indent=1))
-        return path
-
     def shutdown(self) -> None:
         if self.executions is not None:
             self.executions.kill_all()
         self.parts.close()
         for cell in self.cells.alive():
             self.send_to(f"cell-{cell.cell_id}", wire.Shutdown(reason="run over"))
-        procs = [c.proc for c in self.cells.cells.values() if c.proc is not None] + list(self.children.values())
-        stop(procs, grace_s=8.0)
-        if self.socket_dir is not None:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        self.services.shutdown([c.proc for c in self.cells.cells.values() if c.proc is not None])
         self.metrics.close()
         self.sock.close(0)
         curve.stop(self.ctx)
@@ -339,7 +191,7 @@ class Controller:
         for ex in self.executions.poll(now):
             self.on_execution_ended(ex)
         self.check_cells(now)
-        self.check_services()
+        self.services.check_services()
         self.plan_steps()
         self.launch_executions(now)
         self.apply_schedule(now)
@@ -424,7 +276,7 @@ class Controller:
         self.identities[name] = ident
         self.ident_names[ident] = name
         if name in ("processor", "proxy"):
-            self.service_seen[name] = time.monotonic()
+            self.services.heard_from(name)
         if name == "processor" and old is not None and self.grades_owed:
             # A restarted processor: it replayed its log; what it may not have logged, it gets
             # again (it drops grades it has by execution).
@@ -496,7 +348,7 @@ class Controller:
             log.error("control socket: %r sent a heartbeat as the %s, which it is not", ident, msg.peer)
             self.send_raw(ident, wire.ErrorReply(where="controller", message=f"not the {msg.peer}"))
             return
-        self.service_seen[msg.peer] = time.monotonic()
+        self.services.heard_from(msg.peer)
 
     def on_role_switched(self, ident: bytes, msg: wire.RoleSwitched) -> None:
         cell = self._cell(ident, msg.cell_id)
@@ -677,14 +529,6 @@ class Controller:
                                        temperature=self.cfg.algo.rollout.temperature, size=w.group_size,
                                        min_version=step - self.cfg.scheduler.staleness)
 
-    def start_eval(self, label: str) -> None:
-        rnd = EvalRound(label=label, at_step=self.steps.version)
-        for i, task in enumerate(self.eval_tasks):
-            rnd.executions += self.executions.plan_group(step=self.steps.version, group_id=f"eval-{label}-{i}",
-                                                         task=task, train=False, temperature=0.0, size=1,
-                                                         min_version=self.steps.version)
-        self.evals.append(rnd)
-
     def launch_executions(self, now: float) -> None:
         # elastic keeps the core's slots free while the core is due to train (scheduler.launch_room)
         room = launch_room(self.scheduler_view(), self.cfg.scheduler)
@@ -740,47 +584,6 @@ class Controller:
                     f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint",
                     resumable=True)
 
-    def check_services(self) -> None:
-        """A dead processor or proxy is restarted in place (``cluster.service_restarts`` times each)
-        where it was, so what talks to it finds it again: the processor on its records address
-        (it replays its log; the proxy resends what it had not acknowledged; the grades come again
-        on its Hello), the proxy on its port and Unix socket (harnesses retry; routes and seals
-        come again on its Hello). Past its restarts, it stops the run at once with the reason,
-        never a silent hang; the same ``run.run_id`` resumes from the newest checkpoint."""
-        now = time.monotonic()
-        for name in ("processor", "proxy"):
-            proc = self.children.get(name)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                silent = now - self.service_seen.get(name, now)
-                if silent > self.cfg.cluster.heartbeat_timeout_s:
-                    # Alive but its loop stopped turning (stuck, or stopped): a hang the run would
-                    # wait on forever. Killed, it is restarted or stops the run as a dead one does.
-                    self.silenced[name] = f"was silent for {silent:.1f}s (killed)"
-                    log.error("the %s %s", name, self.silenced[name])
-                    proc.kill()
-                    proc.wait()
-                else:
-                    continue
-            why = self.silenced.pop(name, None) or f"exited with {proc.returncode}"
-            if self.restarts[name] < self.cfg.cluster.service_restarts:
-                self.restarts[name] += 1
-                log.error("the %s %s; restarting it in place (%d of %d); its log ends:\n%s", name, why,
-                          self.restarts[name], self.cfg.cluster.service_restarts, log_tail(self.log_dir, name, 8))
-                self.metrics.log("service_restarted", t=time.monotonic() - self.t0, service=name, why=why,
-                                 restarts=self.restarts[name])
-                if name == "processor":
-                    self.start_processor(self.records_addr)
-                else:
-                    self.restart_proxy()
-                self.service_seen[name] = time.monotonic()  # heard from again at its Hello
-                continue
-            raise RunFailed(
-                f"the {name} {why}; its log ends:\n{log_tail(self.log_dir, name, 8)}\n"
-                f"start the run again with run.run_id={self.run_dir.name} to resume from its newest checkpoint",
-                resumable=True)
-
     def scheduler_view(self) -> SchedulerView:
         st = self.steps.current
         return SchedulerView(
@@ -830,43 +633,6 @@ class Controller:
         for cell_id, msg in self.steps.finish(core_training=core_training):
             self.send_to(f"cell-{cell_id}", msg)
 
-    def advance_stage(self) -> None:
-        if self.stage == "eval_start" and self.evals[-1].done:
-            self.finish_eval()
-            self.stage = "train"
-        elif self.stage == "train" and self.steps.version >= self.cfg.run.steps:
-            self.stage = "final"
-        elif self.stage == "final":
-            alive = self.cells.alive()
-            synced = all(c.phase == "serving" and c.weight_version == self.steps.version for c in alive)
-            if synced and all(ex.settled for ex in self.executions.executions.values()):
-                if self.cfg.run.eval_at_end:
-                    self.stage = "eval_end"
-                    self.start_eval("end")
-                else:
-                    self.close()
-        elif self.stage == "eval_end" and self.evals[-1].done:
-            self.finish_eval()
-            self.close()
-        elif self.stage == "closing":
-            ended = {eid for eid, ex in self.executions.executions.items() if ex.settled}
-            if ended <= self.facts_seen or time.monotonic() > self.closing_until:
-                self.stage = "done"
-
-    def close(self) -> None:
-        """Every run is graded: give the processor a moment to send the last runs' facts (they
-        follow the last Grade and SealExecution), then stop."""
-        self.stage = "closing"
-        self.closing_until = time.monotonic() + CLOSING_GRACE_S
-
-    def finish_eval(self) -> None:
-        rnd = self.evals[-1]
-        self.metrics.log("eval", t=time.monotonic() - self.t0, label=rnd.label, step=rnd.at_step, reward=rnd.mean(),
-                         rewards=[ex.reward for ex in rnd.executions])
-        graded = sum(1 for ex in rnd.executions if ex.reward is not None)
-        log.info("eval (%s, version %d): mean reward %s over %d of %d held-out tasks graded", rnd.label,
-                 rnd.at_step, rnd.mean(), graded, len(rnd.executions))
-
     def progress(self, now: float) -> None:
         roles = " ".join(f"{c.cell_id}{'*' if c.is_core else ''}:{c.phase[:5]}" for c in self.cells.cells.values())
         last = self.step_rewards[-1][1] if self.step_rewards else float("nan")
@@ -878,34 +644,3 @@ class Controller:
                          phases={c.cell_id: c.phase for c in self.cells.cells.values()},
                          versions={c.cell_id: c.weight_version for c in self.cells.cells.values()},
                          queued=self.executions.count("queued"), running=self.executions.count("running"))
-
-
-def cellrunner_config(
-    c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path, resume_from: Checkpoint | None = None
-) -> dict:
-    """The cellrunner's config (cellrunner.backends.CellRunnerConfig) as the JSON every cell is given."""
-    return {
-        "model": to_dict(c.model), "algo": to_dict(c.algo), "host": c.cluster.host,
-        "core_cell": c.cluster.core_cell, "torch_threads": c.cluster.torch_threads,
-        "heartbeat_interval_s": c.cluster.heartbeat_interval_s, "drain_timeout_s": c.cluster.drain_timeout_s,
-        "capacity_per_cell": c.scheduler.capacity_per_cell, "transfer_timeout_s": c.cluster.transfer_timeout_s,
-        "transfer": c.cluster.transfer, "mooncake": to_dict(c.cluster.mooncake), "seed": c.run.seed, "checkpoint_dir": str(checkpoint_dir),
-        "resume_from": str(resume_from.path) if resume_from else "",
-        "resume_version": resume_from.version if resume_from else 0,
-        "trainer": to_dict(c.trainer), "engine": to_dict(c.engine), "log_dir": str(log_dir),
-    }
-
-
-def make_run_dir(runs_dir: str, name: str, run_id: str = "") -> Path:
-    """``runs_dir/<run_id>`` (a fresh timestamped id when empty). A given id may exist already: a
-    requeued Slurm job passes its job id, finds its first attempt's folder and resumes there."""
-    root = Path(runs_dir)
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{name}-{os.getpid()}"
-    run_dir = root / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir.chmod(0o700)  # the run user's alone, also when an earlier attempt made it under another umask
-    latest = root / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(run_id)
-    return run_dir

@@ -31,7 +31,7 @@ LITELLM_STAMP   := .venv-litellm/.installed-$(LITELLM_VERSION)
 TEST_DEBS := bubblewrap python3-pytest slurm-wlm munge slurmdbd mariadb-server libibverbs1 ibverbs-providers chromium
 NPM_DEBS  := $(if $(shell command -v npm),,nodejs npm)
 
-.PHONY: venv system-packages claude-code mini-swe-agent qwen-code litellm run test bench gpu-env gpu-check clean
+.PHONY: venv system-packages claude-code mini-swe-agent qwen-code litellm run test test-fast bench gpu-env gpu-check clean
 
 venv: $(STAMP)
 
@@ -95,6 +95,11 @@ run: venv claude-code
 
 test: system-packages venv claude-code mini-swe-agent qwen-code
 	$(BIN)/python -m pytest tests -q --durations=25 $(PYTEST_ARGS)
+
+# The edit loop: no end-to-end runs, no Slurm, no system packages or harness binaries, no
+# multi-process cells (tests/conftest.py lists what is left out and why). Includes the docs' link check.
+test-fast: venv
+	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" --durations=10 $(PYTEST_ARGS)
 
 bench: venv litellm
 	$(BIN)/python -m bench.learnability --vocab-bench

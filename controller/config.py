@@ -71,7 +71,7 @@ class ClusterConfig:
     start_timeout_s: float
     service_restarts: int
     """Times the controller restarts a dead (or silent) trajectory processor, and the harness proxy,
-    in place, each (``Controller.check_services``), before the run stops with the reason."""
+    in place, each (``RunServices.check_services``), before the run stops with the reason."""
     drain_timeout_s: float
     """A cell turning to training lets in-flight calls finish this long, then aborts them (the
     proxy re-routes them)."""

@@ -39,13 +39,15 @@ def test_shipped_preset_at_its_recipe_cells_is_ok(preset, nodes, capsys):
 
 
 def test_the_recipes_stack_passes_as_the_recipes_pass_it(capsys):
-    """The sbatch recipes' own STACK (with the shared weight folder they default to) at their cells."""
+    """The sbatch recipes' own STACK (with the shared weight folder they default to) at their cells.
+    The folder is a fixed shared-looking path, not one under this checkout: a checkout under
+    /tmp is node-local, and the check rightly refuses it."""
     for script, cells in RECIPE_CELLS.items():
         text = (ROOT / "slurm" / f"{script}.sbatch").read_text()
         assert 'engine.weight_dir="${GYRE_WEIGHT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/weights-' in text
         for nodes in cells:
             rc = layout.main(["qwen3_hf", "--nodes-per-cell", str(nodes), "--gpus-per-node", "8", *STACK[:-1],
-                              f"engine.weight_dir={ROOT}/runs/weights-check"])
+                              "engine.weight_dir=/scratch/gyre/runs/weights-check"])
             out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
             assert (rc, out["not_built"]) == (0, []), out["why"]
             assert out["engine"]["servers_per_cell"] == nodes * 8  # qwen3_hf: TP1, a server a GPU

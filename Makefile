@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# pytest-xdist workers for the test targets. Most of the suite waits on processes it starts
+# (engines, harnesses, sandboxes, Slurm), so three workers on a 2-core machine beat two; 0 runs
+# it serially in one process.
+TEST_WORKERS ?= 3
 
 # The real Claude Code binary for the harness tests: npm package, version pinned (notes §1: a
 # bare install resolves to an old 2.1.x). tests/harness_proxy/claude_code.py reads this line.
@@ -94,12 +98,12 @@ run: venv claude-code
 	$(BIN)/gyre $(ARGS)
 
 test: system-packages venv claude-code mini-swe-agent qwen-code
-	$(BIN)/python -m pytest tests -q --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # The edit loop: no end-to-end runs, no Slurm, no system packages or harness binaries, no
 # multi-process cells (tests/conftest.py lists what is left out and why). Includes the docs' link check.
 test-fast: venv
-	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
 
 bench: venv litellm
 	$(BIN)/python -m bench.learnability --vocab-bench

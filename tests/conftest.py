@@ -2,7 +2,7 @@
 2 cores) leaves out ``e2e`` tests, the ``tests/slurm`` folder, and the files below marked
 ``slow``: they start several processes (ranks of a cell, SGLang stand-ins, Mooncake engines),
 run the real harness binaries or sandboxes, or search with hypothesis for tens of seconds. Each
-of them still runs in ``make test``, which CI runs."""
+of them still runs in ``make test``, which CI runs, spread over pytest-xdist workers."""
 
 from __future__ import annotations
 
@@ -41,8 +41,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: left out of make test-fast (tests/conftest.py says which and why)")
 
 
+# Folders whose files share one session-scoped thing, so pytest-xdist (make test runs it) keeps
+# each folder on one worker: the local Slurm cluster that the first slurm test brings up and the
+# worker's session end takes down; the viewer's one real Claude Code run.
+SHARED_FOLDERS = ("slurm/", "viewer/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
         if rel in SLOW_FILES or rel.startswith(("slurm/", "e2e/")):
             item.add_marker(pytest.mark.slow)
+        # `--dist loadgroup` sends a group to one worker: a file's tests share its module fixtures
+        group = next((folder for folder in SHARED_FOLDERS if rel.startswith(folder)), rel)
+        item.add_marker(pytest.mark.xdist_group(group))

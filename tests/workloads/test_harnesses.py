@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,10 @@ def test_the_pinned_installs_are_found():
                                         max_turns=0, extra_args=(), env={}),
                 MiniSweAgentHarnessConfig(kind="mini_swe_agent", binary="", step_limit=5, extra_args=(), env={}),
                 QwenCodeHarnessConfig(kind="qwen_code", binary="", max_session_turns=5, extra_args=(), env={})):
-        assert make_harness(cfg).check_installed() == ""
+        problem = make_harness(cfg).check_installed()
+        if problem and os.environ.get("CI") != "true":
+            pytest.skip(f"make test-fast installs no harness: {problem}")
+        assert problem == ""
 
 
 def test_command_harness_program_must_exist():

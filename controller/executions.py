@@ -34,7 +34,10 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from base.execution_token import mint_token
-from workloads.api import GradeResult, HarnessAdapter, HarnessLaunch, RunArtifacts, Sandbox, SandboxSpec, Task, TaskSet
+from workloads.api import (
+    HOME_INSIDE, PROMPT_INSIDE, WORKSPACE_INSIDE, GradeResult, HarnessAdapter, HarnessLaunch, RunArtifacts, Sandbox,
+    SandboxSpec, Task, TaskSet,
+)
 from workloads.config import LimitsConfig, WorkloadConfig
 from workloads.drift import run_shape
 from workloads.harnesses.common import common_env
@@ -202,8 +205,14 @@ class ExecutionManager:
         prompt_file.write_text(ex.task.prompt, encoding="utf-8")
         token = mint_token(self.secret, ex.execution_id, min_version=ex.min_version, train=ex.train)
         shape = run_shape(self.cfg, ex.step, train=ex.train)
+        # Every execution sees the same paths where the sandbox can show them anywhere: harnesses
+        # name their working directory and home in the prompt, and a group's prompts then share
+        # their prefix (and the engine its KV) up to the task itself.
+        fixed = self.sandbox.shows_fixed_paths
         launch = HarnessLaunch(
-            execution_id=ex.execution_id, workspace=ws, prompt_file=prompt_file, home=home, model=self.model_name,
+            execution_id=ex.execution_id, workspace=WORKSPACE_INSIDE if fixed else ws,
+            prompt_file=PROMPT_INSIDE if fixed else prompt_file, home=HOME_INSIDE if fixed else home,
+            host_home=home, model=self.model_name,
             base_url=f"{self.proxy.url}/v1", anthropic_base_url=self.proxy.url, token=token,
             max_turns=shape.max_turns, max_new_tokens=self.cfg.max_new_tokens, temperature=ex.temperature,
             think_scale=shape.think_scale,
@@ -213,7 +222,10 @@ class ExecutionManager:
         ro_paths, image = self._task_environment(ex.task, env)
         read_fd, write_fd = os.pipe()
         spec = SandboxSpec(argv=cmd.argv, workspace=ws, env=env, home=home,
-                           ro_paths=(prompt_file, *cmd.ro_paths, *ro_paths), network="proxy",
+                           workspace_inside=WORKSPACE_INSIDE if fixed else None,
+                           home_inside=HOME_INSIDE if fixed else None,
+                           ro_binds=((prompt_file, PROMPT_INSIDE),) if fixed else (),
+                           ro_paths=(*(() if fixed else (prompt_file,)), *cmd.ro_paths, *ro_paths), network="proxy",
                            proxy_port=self.proxy.port, proxy_socket=self.proxy.unix_socket,
                            limits=self.limits.resources() if self.limits is not None else None, started_fd=write_fd,
                            image=image)

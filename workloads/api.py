@@ -75,7 +75,8 @@ class ResourceLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxSpec:
-    """One command to run confined. Paths are the same inside and outside the sandbox."""
+    """One command to run confined. Paths are the same inside and outside the sandbox unless an
+    ``*_inside`` field or ``ro_binds`` shows one elsewhere (only where ``Sandbox.shows_fixed_paths``)."""
 
     argv: list[str]
     workspace: Path
@@ -86,6 +87,12 @@ class SandboxSpec:
     """A writable private folder set as ``$HOME`` (harness state: transcripts, settings)."""
     ro_paths: tuple[Path, ...] = ()
     """Extra read-only paths visible at the same path (a harness's install, a task environment)."""
+    workspace_inside: Path | None = None
+    """Where the command sees the workspace (its cwd); None: at ``workspace``."""
+    home_inside: Path | None = None
+    """Where the command sees ``home`` (its ``$HOME``); None: at ``home``."""
+    ro_binds: tuple[tuple[Path, Path], ...] = ()
+    """Read-only files or folders shown elsewhere: (path on this host, path inside)."""
     network: NetworkMode = "proxy"
     proxy_port: int = 0
     """With ``network=proxy``: the port the proxy listens on at 127.0.0.1, reachable inside."""
@@ -102,8 +109,18 @@ class SandboxSpec:
     """``apptainer``: this command's image instead of ``sandbox.image`` (a task's environment)."""
 
 
+# Where a harness sees its execution's files when the sandbox can show them anywhere. The same
+# for every execution, so the harness's prompt, which names its working directory and home, is
+# the same too, and the executions of a group share the engine's KV of it.
+WORKSPACE_INSIDE = Path("/workspace")
+HOME_INSIDE = Path("/home/agent")
+PROMPT_INSIDE = Path("/run/gyre/prompt.md")
+
+
 class Sandbox(Protocol):
     kind: str
+    shows_fixed_paths: bool
+    """Whether it can show a path at another place inside (``SandboxSpec.workspace_inside`` ...)."""
 
     def wrap(self, spec: SandboxSpec) -> list[str]:
         """The argv that runs ``spec.argv`` confined (Popen it with ``env=spec.env`` or the env the
@@ -125,6 +142,9 @@ class HarnessLaunch:
     """The task's prompt as a file (also ``$GYRE_PROMPT_FILE``), outside the workspace."""
     home: Path
     """The execution's private writable home (``$HOME`` inside the sandbox)."""
+    host_home: Path | None = None
+    """Where ``home`` is on this host, for files an adapter writes before the start; None: ``home``.
+    ``workspace``, ``prompt_file`` and ``home`` are the paths the harness sees."""
     model: str
     base_url: str
     """The proxy's OpenAI base, ending in ``/v1``."""
@@ -138,6 +158,10 @@ class HarnessLaunch:
     temperature: float
     think_scale: float = 1.0
     """Multiplies the bundled harness's think time for this run (``workload.drift``)."""
+
+    @property
+    def home_on_host(self) -> Path:
+        return self.host_home if self.host_home is not None else self.home
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -241,3 +241,54 @@ def test_a_run_past_its_disk_or_log_limit_is_killed_and_graded(tmp_path, kind):
     written = (sum(p.stat().st_size for p in free.workspace.glob("f*")) if kind == "disk"
                else (free.folder / "stdout.log").stat().st_size)
     assert written == 64 * MiB and not free.error.startswith("killed")
+
+
+
+SHOW_PATHS = """import json, os, sys
+seen = [os.getcwd(), os.environ["HOME"], os.environ["GYRE_WORKSPACE"], os.environ["GYRE_PROMPT_FILE"],
+        open(os.environ["GYRE_PROMPT_FILE"]).read(), sys.argv[1]]
+open("seen.json", "w").write(json.dumps(seen))
+"""
+
+
+def test_every_execution_of_a_group_sees_the_same_paths_under_bwrap(tmp_path):
+    """Harnesses name their working directory and home in the prompt: under a sandbox that can show
+    paths anywhere, each execution sees /workspace and /home/agent, so a group's prompts agree."""
+    import json
+    import os
+
+    from tests.workloads import sandbox_config
+    from workloads.config import CommandHarnessConfig
+    from workloads.harnesses.command import CommandHarness
+    from workloads.sandbox import make_sandbox
+    from workloads.sandbox.bwrap import bwrap_problem
+
+    if bwrap_problem("") and os.environ.get("CI") != "true":
+        pytest.skip(f"bwrap cannot run here: {bwrap_problem('')}")
+    script = tmp_path / "show_paths.py"
+    script.write_text(SHOW_PATHS)
+    socket_dir = tmp_path / "proxy"
+    socket_dir.mkdir()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(socket_dir / "proxy.sock"))  # never answered: the harness only looks around
+    cfg = workload(timeout_s=60.0)
+    harness = CommandHarness(CommandHarnessConfig(kind="command", argv=("/usr/bin/python3", str(script), "{workspace}"),
+                                                  env={}, ro_paths=(str(script),)))
+    mgr = ExecutionManager(
+        workload=cfg, taskset=WordmapTaskSet(cfg), harness=harness, sandbox=make_sandbox(sandbox_config("bwrap")),
+        work_dir=tmp_path / "work", model_name="m", secret=b"k" * 32,
+        proxy=ProxyEndpoint(url="http://127.0.0.1:8123", unix_socket=socket_dir / "proxy.sock"),
+    )
+    group = mgr.plan_group(step=0, group_id="s0-g0", task=make_tasks(cfg)[0][0], train=True, temperature=1.0, size=2)
+    for ex in group:
+        mgr.launch(ex, time.monotonic())
+    try:
+        ended = wait_ended(mgr, 60.0)
+        while len(ended) < 2:
+            ended += wait_ended(mgr, 60.0)
+    finally:
+        mgr.kill_all()
+        listener.close()
+    seen = [json.loads((ex.workspace / "seen.json").read_text()) for ex in group]  # written to each host workspace
+    assert seen[0] == seen[1] == ["/workspace", "/home/agent", "/workspace", "/run/gyre/prompt.md",
+                                  group[0].task.prompt, "/workspace"]

@@ -349,6 +349,34 @@ def test_ro_paths_are_visible_and_read_only(tmp_path, layout):
     assert lines[2] == "30"  # EROFS
 
 
+def test_every_execution_sees_the_same_paths_where_the_spec_shows_them(tmp_path, layout):
+    """Two executions' harnesses see one workspace, home and prompt path, so their prompts match."""
+    prompt = tmp_path / "prompt.md"
+    prompt.write_text("fix the bug")
+    script = ("import os, json\nopen('made.txt', 'w').write('x')\nopen(os.environ['HOME'] + '/h.txt', 'w').write('y')\n"
+              "try:\n    open('/run/gyre/prompt.md', 'w')\n    ro = 'writable'\nexcept OSError as e:\n    ro = e.errno\n"
+              f"print(json.dumps([os.getcwd(), os.environ['HOME'], open('/run/gyre/prompt.md').read(), ro, "
+              f"os.path.exists({str(tmp_path)!r})]))")
+    seen = []
+    for name in ("ex1", "ex2"):
+        ws, home = tmp_path / "w" / name, tmp_path / "h" / name
+        ws.mkdir(parents=True)
+        home.mkdir(parents=True)
+        r = _run(SandboxSpec(argv=[PY, "-c", script], workspace=ws, env={"PATH": "/usr/bin"}, network="none", home=home,
+                             workspace_inside=Path("/workspace"), home_inside=Path("/home/agent"),
+                             ro_binds=((prompt, Path("/run/gyre/prompt.md")),)))
+        assert r.returncode == 0, r.stderr
+        seen.append(json.loads(r.stdout))
+        assert (ws / "made.txt").read_text() == "x" and (home / "h.txt").read_text() == "y"  # the host folders
+    assert seen[0] == seen[1] == ["/workspace", "/home/agent", "fix the bug", 30, False]  # EROFS; host paths hidden
+
+
+def test_sandbox_none_refuses_to_pretend_it_moves_paths(layout):
+    ws, _, _ = layout
+    with pytest.raises(ValueError, match="sandbox=none shows every path where it is"):
+        NoSandbox().wrap(SandboxSpec(argv=["true"], workspace=ws, env={}, workspace_inside=Path("/workspace")))
+
+
 def test_describe_says_what_it_enforces():
     line = BwrapSandbox(CFG).describe()
     assert "network namespaces" in line and "only the proxy" in line and "read-only system" in line

@@ -32,7 +32,7 @@ class QwenCodeHarness:
 
     def command(self, launch: HarnessLaunch) -> HarnessCommand:
         c = self.cfg
-        settings = launch.home / ".qwen" / "settings.json"
+        settings = launch.home_on_host / ".qwen" / "settings.json"
         settings.parent.mkdir(parents=True, exist_ok=True)
         settings.write_text(json.dumps(SETTINGS))
         argv = [str(self.binary), prompt_arg(launch), "--yolo", "--auth-type", "openai",

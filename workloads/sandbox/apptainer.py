@@ -94,6 +94,7 @@ def _probe(argv: list[str]) -> str:
 
 class ApptainerSandbox:
     kind = "apptainer"
+    shows_fixed_paths = True
 
     def __init__(self, cfg: SandboxConfig, *, isolated_net: bool | None = None) -> None:
         """``isolated_net``: whether graders get ``--net --network none``; None probes this site once.
@@ -117,13 +118,17 @@ class ApptainerSandbox:
         """
         ro_paths = (*self.ro_paths, *spec.ro_paths)
         _check_paths(spec.workspace, *ro_paths, *([spec.home] if spec.home else []))
-        ws = str(spec.workspace)
+        _check_paths(*(p for bind in spec.ro_binds for p in bind),
+                     *(p for p in (spec.workspace_inside, spec.home_inside) if p is not None))
+        ws, ws_inside = str(spec.workspace), str(spec.workspace_inside or spec.workspace)
         argv = [self.binary, "exec", "--contain", "--pid", "--ipc", "--no-mount", NO_MOUNT]
-        argv += ["--home", f"{spec.home}:{spec.home}"] if spec.home is not None else ["--no-home"]
-        argv += ["--bind", f"{ws}:{ws}"]
+        argv += ["--home", f"{spec.home}:{spec.home_inside or spec.home}"] if spec.home is not None else ["--no-home"]
+        argv += ["--bind", f"{ws}:{ws_inside}"]
         for path in ro_paths:
             argv += ["--bind", f"{path}:{path}:ro"]
-        argv += ["--bind", f"{INNER_SOURCE}:{INNER_INSIDE}:ro", "--pwd", ws]
+        for host, inside in spec.ro_binds:
+            argv += ["--bind", f"{host}:{inside}:ro"]
+        argv += ["--bind", f"{INNER_SOURCE}:{INNER_INSIDE}:ro", "--pwd", ws_inside]
         path_var = spec.env.get("PATH")
         if path_var:
             if "," in path_var:

@@ -1,6 +1,8 @@
 """``sandbox=bwrap``: Debian's bubblewrap confines each harness run and grader on a shared node.
 
-What bwrap enforces for one ``SandboxSpec`` (every path at the same place inside as outside):
+What bwrap enforces for one ``SandboxSpec`` (every path at the same place inside as outside, but
+for the workspace, home and binds the spec shows elsewhere: a harness run sees its workspace at
+``/workspace`` and its home at ``/home/agent``, whichever execution it is):
 
 - Files: a read-only system (``/usr``, ``/etc`` and the ``/bin``, ``/lib*``, ``/sbin`` that exist,
   merged-/usr symlinks kept as symlinks) on an otherwise empty, read-only root. The workspace is
@@ -84,6 +86,7 @@ def bwrap_problem(binary: str = "") -> str:
 
 class BwrapSandbox:
     kind = "bwrap"
+    shows_fixed_paths = True
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self.binary = find_bwrap(cfg.binary) or cfg.binary or "bwrap"
@@ -96,19 +99,24 @@ class BwrapSandbox:
         ``FileNotFoundError`` for a path that does not exist (bwrap would stop on it less clearly).
         """
         ro_paths = (*self.ro_paths, *spec.ro_paths)
-        _check_paths(spec.workspace, *ro_paths, *([spec.home] if spec.home else []))
+        _check_paths(spec.workspace, *ro_paths, *([spec.home] if spec.home else []), *(h for h, _ in spec.ro_binds))
+        _check_inside(spec)
+        ws_inside = spec.workspace_inside or spec.workspace
         tmp_size = ["--size", str(spec.limits.tmp_bytes)] if spec.limits is not None and spec.limits.tmp_bytes else []
         net = [] if spec.network == "host" else ["--unshare-net"]
         argv = [self.binary, "--unshare-pid", "--unshare-ipc", "--unshare-uts", *net,
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--hostname", "gyre-sandbox", *_system_mounts(), *tmp_size, "--tmpfs", "/dev/shm",
-                *tmp_size, "--tmpfs", "/tmp", "--bind", str(spec.workspace), str(spec.workspace)]
+                *tmp_size, "--tmpfs", "/tmp", "--bind", str(spec.workspace), str(ws_inside)]
         if spec.home is not None:
-            argv += ["--bind", str(spec.home), str(spec.home), "--setenv", "HOME", str(spec.home)]
+            home_inside = spec.home_inside or spec.home
+            argv += ["--bind", str(spec.home), str(home_inside), "--setenv", "HOME", str(home_inside)]
         else:  # an empty private home; HOME points there unless spec.env chose one (a grader: its workspace)
             argv += ["--tmpfs", TMPFS_HOME] + ([] if "HOME" in spec.env else ["--setenv", "HOME", TMPFS_HOME])
         for path in ro_paths:  # after the workspace, so a read-only path inside it stays read-only
-            argv += ["--ro-bind", str(path), str(path)]
+            argv += ["--ro-bind", str(path), str(_seen_at(path, spec))]
+        for host, inside in spec.ro_binds:
+            argv += ["--ro-bind", str(host), str(inside)]
         command = list(spec.argv)
         if spec.network == "proxy":
             if not spec.proxy_port or spec.proxy_socket is None:
@@ -122,13 +130,26 @@ class BwrapSandbox:
         # is this sandbox's processes only (uid 0 never makes one, and the kernel exempts it anyway).
         launcher = inner_argv(RELAY_PYTHON, INNER_INSIDE, spec, nproc=True)
         argv += ["--ro-bind", str(INNER_SOURCE), INNER_INSIDE]
-        return [*argv, "--remount-ro", "/", "--chdir", str(spec.workspace), "--", *launcher, *command]
+        return [*argv, "--remount-ro", "/", "--chdir", str(ws_inside), "--", *launcher, *command]
 
     def describe(self) -> str:
         return (f"sandbox=bwrap ({self.binary}): read-only system, writable workspace and home, private /tmp and "
                 "/dev/shm of a set size, PID/IPC/UTS/network namespaces, no capabilities, no new privileges, "
                 "nosuid binds, no setuid/setgid file can be made (seccomp), rlimits, killed with its parent; "
                 "the harness reaches only the proxy (a relay on 127.0.0.1 to its Unix socket), graders no network")
+
+
+def _check_inside(spec: SandboxSpec) -> None:
+    for p in (spec.workspace_inside, spec.home_inside, *(inside for _, inside in spec.ro_binds)):
+        if p is not None and not p.is_absolute():
+            raise ValueError(f"sandbox=bwrap: want an absolute path inside, got {str(p)!r}")
+
+
+def _seen_at(path: Path, spec: SandboxSpec) -> Path:
+    """Where a read-only path shows inside: under the workspace it moves with the workspace."""
+    if spec.workspace_inside is not None and path.is_relative_to(spec.workspace):
+        return spec.workspace_inside / path.relative_to(spec.workspace)
+    return path
 
 
 def _system_mounts() -> list[str]:

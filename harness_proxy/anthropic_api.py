@@ -5,7 +5,8 @@
 adapter produces, so the Qwen3 template and ``SessionStore`` serve both APIs) plus what decides
 the CallRecord's lineage. Mapping onto the template:
 
-- ``system`` (a string or text blocks; ``cache_control`` ignored) -> the leading system message;
+- ``system`` (a string or text blocks; ``cache_control`` ignored; accounting blocks such as
+  Claude Code's billing line dropped) -> the leading system message;
   a mid-conversation ``role: "system"`` message -> a ``system`` turn in place.
 - user ``text`` blocks -> a user turn (consecutive blocks joined by ``\\n``, empty ones dropped);
   each ``tool_result`` -> a ``tool`` message (rendered ``<tool_response>``), in block order.
@@ -217,9 +218,20 @@ def lineage_of(body: dict[str, Any], agent_id: str) -> str:
     return f"{base}-summary" if _is_summary(body.get("messages") or []) else base
 
 
+# System text blocks meant for the API's accounting, not the model, kept out of the prompt. Claude
+# Code's first block is ``x-anthropic-billing-header: cc_version=<version>.<3 hex>; ...``: the hex
+# is derived from the first user message, so it differs between tasks and changes at compaction,
+# and as the prompt's first line it would end the prefix that executions share (their system
+# prompt and tools, ~22k ids) after ~33 ids. The CallRecord holds the ids rendered without it.
+ACCOUNTING_BLOCK_PREFIXES = ("x-anthropic-billing-header:",)
+
+
 def _system(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
+    if isinstance(value, list):
+        value = [b for b in value if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                                          and b["text"].startswith(ACCOUNTING_BLOCK_PREFIXES))]
     return [{"role": "system", "content": _text_of_blocks(value, "system")}]
 
 

@@ -5,8 +5,9 @@ policy decodes the prompt and answers in Qwen3's output format (``<think>``, ``<
 JSON, ``<|im_end|>``): it finds how far the script has got by looking for the exact text of its
 own earlier tool calls in the prompt (the proxy splices them back verbatim), so the harness's own
 re-serialisation of history cannot fool it. Which agent is asking is read from the prompt too:
-sub-agents carry ``cc_is_subagent=true`` in their first system block, compaction-summary calls
-end with Claude Code's summary instruction.
+a sub-agent's first user turn holds the task the script's Agent call gave it (the billing line that
+marks sub-agents, ``cc_is_subagent=true``, is kept out of the prompt by the proxy), compaction-summary
+calls end with Claude Code's summary instruction.
 
 The binary is the pinned npm package installed by ``make claude-code`` (``.tools/claude-code``).
 """
@@ -30,7 +31,6 @@ CLAUDE_CODE_VERSION = re.search(
 CLAUDE_BIN = PROJECT_ROOT / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
 
 SUMMARY_MARK = "Your task is to create a detailed summary"
-SUBAGENT_MARK = "cc_is_subagent=true"
 DONE_MARK = "[gyre-steps-done {}]"
 """Written into the compaction summary: how many main steps were done before the history was cut."""
 
@@ -83,11 +83,13 @@ class CodingScript:
     big_output_lines: int = 4000
     main_steps: list[str] = field(init=False)
     sub_steps: list[str] = field(init=False)
+    sub_task: str = field(init=False)
     calls: dict[str, int] = field(default_factory=lambda: {"main": 0, "sub-agent": 0, "summary": 0})
 
     def __post_init__(self) -> None:
         hello = str(self.workdir / "hello.txt")
         sub = str(self.workdir / "sub.txt")
+        self.sub_task = f"Create {sub} containing the line: sub-agent was here"
         self.main_steps = [
             "<think>\nThe file does not exist yet: write it, read it back, then edit it.\n</think>\n\n"
             + tool_call("Write", {"content": "hello from gyre\n", "file_path": hello}),
@@ -96,7 +98,7 @@ class CodingScript:
                                                  "new_string": "hello from gyre, edited"}),
             tool_call("Bash", {"command": "cat hello.txt && ls", "description": "Show the edited file"}),
             tool_call("Agent", {"description": "Write sub.txt", "subagent_type": "general-purpose",
-                                "prompt": f"Create {sub} containing the line: sub-agent was here",
+                                "prompt": self.sub_task,
                                 "run_in_background": False}),
             tool_call("Bash", {"command": f"seq 100000 {100000 + self.big_output_lines - 1}",
                                "description": "Print a long run of numbers"}),
@@ -130,7 +132,8 @@ class CodingScript:
                 f"<summary>\n1. hello.txt written, read and edited; a sub-agent wrote sub.txt. "
                 f"{DONE_MARK.format(done)}\n</summary>"
             ))
-        if SUBAGENT_MARK in prompt[: prompt.find("<|im_end|>")]:
+        first_user = prompt[prompt.find("<|im_start|>user"):]
+        if self.sub_task in first_user[: first_user.find("<|im_end|>")]:
             self.calls["sub-agent"] += 1
             done = self._progress(prompt, self.sub_steps)
             return Step(output_ids=engine_ids(self.sub_steps[min(done, len(self.sub_steps) - 1)]))

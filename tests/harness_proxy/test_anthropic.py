@@ -297,3 +297,18 @@ def test_count_tokens_and_head_routes(proxy):
         status, payload, _ = raw(proxy, "HEAD", path)
         assert status == 200 and payload == b""
     assert proxy.engines[0].requests == []
+
+
+def test_the_billing_line_stays_out_of_the_prompt_so_tasks_share_their_system_prompt():
+    """Claude Code's first system block hashes the task's first message: rendered, it would end the
+    prefix two tasks' executions share after ~33 ids. Every other block is kept, in order."""
+    from harness_proxy.anthropic_api import parse_messages_request
+
+    def system_of(task: str, billing: str) -> str:
+        body = {"max_tokens": 8, "messages": [{"role": "user", "content": task}],
+                "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332.{billing}; "
+                                                    "cc_entrypoint=sdk-cli;"}, *SYSTEM[1:],
+                           {"type": "text", "text": "Working directory: /workspace"}]}
+        return parse_messages_request(json.dumps(body).encode(), {}).chat.messages[0]["content"]
+
+    assert system_of("fix a", "3f1") == system_of("fix b", "a07") == "You are a coding agent.\nWorking directory: /workspace"

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from cellrunner.prefix_cache import KV, PrefixCache, common_prefix
+
 logger = logging.getLogger(__name__)
 
 # Padded tokens one prefill forward may hold: a long prompt is prefilled on its own instead of
@@ -33,8 +35,6 @@ PREFILL_TOKEN_BUDGET = 16384
 EXTEND_CHUNK_TOKENS = 4096
 TOP_K_ALL = -1
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer (keys, values), each [kv_heads, tokens, head_dim]: one sequence's cache, no batch axis."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,81 +138,6 @@ def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    tokens: np.ndarray  # int64
-    kv: KV
-    nbytes: int
-
-
-class PrefixCache:
-    """The KV of finished requests' token sequences, bounded by bytes, least recently used out first.
-
-    `match` takes the longest common prefix of a prompt with any entry, not only whole entries:
-    the KV of positions [0, n) depends on tokens [0, n) alone, so a harness's fixed system prompt
-    and tools hit across executions as well as a session's earlier call (its prompt + output).
-    An entry that is a prefix of a newer one is dropped, since the newer answers every lookup it
-    would. Entries hold KV of one set of weights: the owner clears the cache when they change.
-    Only the generation thread touches it.
-    """
-
-    def __init__(self, *, max_bytes: int, min_tokens: int) -> None:
-        if max_bytes < 0 or min_tokens < 1:
-            raise ValueError(f"prefix cache: want max_bytes >= 0 and min_tokens >= 1, got {max_bytes}, {min_tokens}")
-        self.max_bytes, self.min_tokens = max_bytes, min_tokens
-        self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
-        self._next_key = 0
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-
-    def match(self, tokens: list[int]) -> tuple[int, KV | None]:
-        """(n, KV of tokens[:n]) for the longest cached prefix, n >= min_tokens; else (0, None)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        best_key, best_n = None, 0
-        for key, entry in self._entries.items():
-            n = _common_prefix(ids, entry.tokens)
-            if n > best_n:
-                best_key, best_n = key, n
-        if best_key is None or best_n < self.min_tokens:
-            return 0, None
-        self._entries.move_to_end(best_key)
-        return best_n, [(k[:, :best_n], v[:, :best_n]) for k, v in self._entries[best_key].kv]
-
-    def insert(self, tokens: list[int], kv: KV) -> None:
-        """Keep a copy of `kv` (views are fine) as the KV of `tokens`, unless already held or too big."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-        if len(ids) < self.min_tokens or nbytes > self.max_bytes:
-            return
-        for key, entry in list(self._entries.items()):
-            n = _common_prefix(ids, entry.tokens)
-            if n == len(ids):  # held already, inside an entry at least as long
-                self._entries.move_to_end(key)
-                return
-            if n == len(entry.tokens):  # the new entry answers every lookup this one would
-                self._drop(key)
-        while self.nbytes + nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
-        self._entries[self._next_key] = _Entry(ids, [(k.clone(), v.clone()) for k, v in kv], nbytes)
-        self._next_key += 1
-        self.nbytes += nbytes
-
-    def _drop(self, key: int) -> None:
-        self.nbytes -= self._entries.pop(key).nbytes
 
 
 class KVBatch:
@@ -530,23 +455,61 @@ class BatchLoop:
             self._prefix.clear()
 
     def _prefill(self, new: list[GenRequest]) -> torch.Tensor:
-        """Prefill `new` and merge their rows: the prompts with a cached prefix one by one over
-        their new tokens, the rest in one padded batch. Returns the logits in merge order."""
-        fresh, hits = [], []
-        for r in new:
+        """Prefill `new` and merge their rows; return the logits in merge order.
+
+        With the prefix cache on, each prompt's KV goes into the cache as soon as it is computed
+        (SGLang caches unfinished requests the same way), and a newcomer whose prompt shares a
+        long prefix with another newcomer waits until that one's KV is in: the executions of a
+        group start at once with the same harness prompt, and would otherwise each compute it
+        (SGLang's scheduler holds such requests back for the same reason). So in each round the
+        prompts that share no uncached prefix with each other run: cache hits extend their cached
+        KV one by one, the rest share one padded batch.
+        """
+        logits: list[torch.Tensor] = []
+        pending = list(new)
+        while pending:
+            fresh, hits, later = self._plan_round(pending)
+            if fresh:
+                logits.append(self._batch.prefill(self._model, fresh))
+                first = len(self._batch.reqs) - len(fresh)
+                for i, r in enumerate(fresh):
+                    self._keep_prompt_kv(first + i, r)
+            for r, past in hits:
+                logits.append(self._batch.extend(self._model, r, past))
+                self._keep_prompt_kv(len(self._batch.reqs) - 1, r)
+            pending = later
+        with self._cond:
+            self._num_prefill_tokens += sum(len(r.input_ids) - r.cached_tokens for r in new)
+        return torch.cat(logits)
+
+    def _plan_round(
+        self, pending: list[GenRequest]
+    ) -> tuple[list[GenRequest], list[tuple[GenRequest, KV]], list[GenRequest]]:
+        """(fresh prompts, cache hits with their KV, prompts that wait for this round's KV)."""
+        fresh: list[GenRequest] = []
+        hits: list[tuple[GenRequest, KV]] = []
+        later: list[GenRequest] = []
+        running: list[np.ndarray] = []  # the prompts this round computes
+        for r in pending:
             r.kv_epoch = self._epoch
             # One token at least must run through the model to give the next-token logits.
             n, past = (0, None) if self._prefix is None else self._prefix.match(r.input_ids[:-1])
+            ids = np.asarray(r.input_ids[:-1], dtype=np.int64)
+            shared = max((common_prefix(ids, other) for other in running), default=0)
+            if self._prefix is not None and shared >= self._prefix.min_tokens and shared > n:
+                later.append(r)  # another newcomer computes the longer prefix this round
+                continue
+            running.append(ids)
             if past is None:
                 fresh.append(r)
             else:
                 r.cached_tokens = n
                 hits.append((r, past))
-        logits = [self._batch.prefill(self._model, fresh)] if fresh else []
-        logits += [self._batch.extend(self._model, r, past) for r, past in hits]
-        with self._cond:
-            self._num_prefill_tokens += sum(len(r.input_ids) - r.cached_tokens for r in new)
-        return torch.cat(logits)
+        return fresh, hits, later
+
+    def _keep_prompt_kv(self, row: int, r: GenRequest) -> None:
+        if self._prefix is not None:
+            self._prefix.insert(r.input_ids, self._batch.row_kv(row, len(r.input_ids)))
 
     def _keep_kv(self, row: int, r: GenRequest) -> None:
         """Put a finishing row's KV in the prefix cache: its prompt and every output token but

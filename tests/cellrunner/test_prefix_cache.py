@@ -6,13 +6,15 @@ Engines and reference forwards come from test_engine's fixtures (the tiny model 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
-from cellrunner import engine_batch
+from cellrunner import engine_batch, prefix_cache
 from cellrunner.engine import EmbeddedEngine
-from cellrunner.engine_batch import PrefixCache
+from cellrunner.prefix_cache import PrefixCache
 from tests.cellrunner.test_engine import (  # noqa: F401 (fixtures)
     TOL, call, generate, model_cfg, prompt_of, reference, vocab_size, weights,
 )
@@ -51,7 +53,7 @@ def greedy(engine: EmbeddedEngine, prompt: list[int], n: int = 12) -> dict:
 # ---------------------------------------------------------------- the cache itself
 
 
-def kv_of(tokens: list[int]) -> engine_batch.KV:
+def kv_of(tokens: list[int]) -> prefix_cache.KV:
     """One layer of fake KV whose every value is the token id, so a slice shows its tokens."""
     t = torch.tensor(tokens, dtype=torch.float32)[None, :, None].expand(2, -1, 4)
     return [(t, t + 0.5)]
@@ -213,3 +215,40 @@ def test_bench_smoke(capsys) -> None:
     assert session["same_outputs"] and session["max_abs_logprob_diff"] < SAME
     assert session["no_cache_prefill_tokens"] - session["cache_prefill_tokens"] == session["prefill_tokens_saved"] > 0
     assert [c["cached_tokens"] > 0 for c in session["per_call"]] == [False, True, True]
+
+
+
+def _one_admission(engine: EmbeddedEngine, prompts: list[list[int]]) -> list[dict]:
+    """Greedy replies to `prompts`, all queued before the loop admits any: the loop thread is held
+    in a control op until every request is waiting."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        held = pool.submit(engine._batch_loop.call, release.wait)
+        futures = [pool.submit(greedy, engine, p, 6) for p in prompts]
+        deadline = time.monotonic() + 30
+        while engine._batch_loop.num_active() < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release.set()
+        held.result()
+        return [f.result() for f in futures]
+
+
+def test_a_group_started_at_once_computes_its_shared_prompt_once(engines, reference) -> None:
+    """The executions of a group send the same long harness prompt at once: one of them computes
+    it, the rest wait one round and extend its KV (before, each ran it whole). Each reply is still
+    that prompt's own."""
+    engine = engines()
+    shared = prompt_of(300, start=21)
+    prompts = [shared + prompt_of(8, start=100 + i) for i in range(8)]
+    replies = _one_admission(engine, prompts)
+    assert engine.num_prefill_tokens() == 308 + 7 * 8  # the first whole, the others past their shared 300
+    assert sorted(r["meta_info"]["cached_tokens"] for r in replies) == [0] + [300] * 7
+    for p, r in zip(prompts, replies):
+        np.testing.assert_allclose(logprobs(r), reference(0, p, r["output_ids"]), atol=TOL, rtol=0)
+    unrelated = [prompt_of(60, start=500 + 50 * i) for i in range(3)]  # nothing shared: one round, no wait
+    before = engine.num_prefill_tokens()
+    assert [r["meta_info"]["cached_tokens"] for r in _one_admission(engine, unrelated)] == [0, 0, 0]
+    assert engine.num_prefill_tokens() - before == 180

@@ -386,7 +386,7 @@ class Processes:
         config.write_text(json.dumps({
             "proxy": {"host": "127.0.0.1", "port": 0, "model_name": MODEL, "max_request_bytes": 64 * 1024 * 1024, "read_timeout_s": 30.0,
                       "max_context_tokens": 262_144, "max_new_tokens_cap": 256, "truncation_ends_turn": False, "engine_timeout_s": 60.0,
-                      "retry_attempts": 1, "route_wait_s": 1.0,
+                      "retry_attempts": 1, "route_wait_s": 1.0, "affinity_slack": 8, "affinity_min_prefix": 1024,
                       "record_ack_timeout_s": 120.0, "record_resend_s": 2.0, "max_unacked_record_bytes": 1 << 30,
                       "session_memory_bytes": 64 << 20, "max_session_bytes": 8 << 30,
                       "execution_budget": {"max_calls": 2000, "max_tokens": 50_000_000, "max_wall_s": 14400.0,

@@ -57,6 +57,12 @@ class ProxyConfig:
     """Engines tried for one call before the harness gets an error (503 while re-routing)."""
     route_wait_s: float
     """How long a call waits for a serving engine to appear (all cells mid-switch) before 503."""
+    affinity_slack: int
+    """A new session goes to the server that holds the longest prefix of its prompt (at least
+    ``affinity_min_prefix`` ids) while that server has at most this many more calls in flight than
+    the least-loaded one; past it, to the least-loaded. 0: only among equally loaded servers."""
+    affinity_min_prefix: int
+    """Ids of a prompt a server must hold to be preferred for it (``harness_proxy.routing``)."""
     record_ack_timeout_s: float
     """How long a call waits for the processor to acknowledge its CallRecord (in its log) before the
     harness gets a retriable 503 (529 on the Anthropic API). The record stays held and is resent."""
@@ -79,6 +85,9 @@ class ProxyConfig:
     for too many at once) before they reach one."""
 
     def check(self) -> None:
+        if self.affinity_slack < 0 or self.affinity_min_prefix < 1:
+            raise ValueError(f"affinity_slack, affinity_min_prefix: want >= 0 and >= 1, got {self.affinity_slack}, "
+                             f"{self.affinity_min_prefix}")
         if self.session_memory_bytes < 1:
             raise ValueError(f"session_memory_bytes: want >= 1, got {self.session_memory_bytes}")
         if self.max_session_bytes < 0:

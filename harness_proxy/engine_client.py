@@ -177,7 +177,8 @@ class EngineClient:
         version = self.router.table.version
         while True:
             route = self.router.choose(
-                call.execution_id, call.agent, exclude=tried, min_version=self._min_version(call.execution_id)
+                call.execution_id, call.agent, exclude=tried, min_version=self._min_version(call.execution_id),
+                prompt_ids=call.prompt_ids,
             )
             if route is not None or asyncio.get_running_loop().time() >= deadline:
                 return route

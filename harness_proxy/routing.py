@@ -11,8 +11,17 @@ pinned there. A server that just failed a call (refused the connection, answered
 out) is *down* for ``DOWN_S``: no session is sent there while another server can take it, and a
 session pinned to it is re-pinned where its call lands; a success clears it at once. Servers
 whose listed weight version is below the call's ``min_version`` (from the execution's token)
-are never chosen. The choice itself is the pure function ``pick_engine``; ``Router`` holds the
-state around it (its clock passed in). No I/O here.
+are never chosen.
+
+A new session (no server pinned yet: a new execution, a sub-agent) prefers the server that holds
+the longest prefix of its prompt, since each engine keeps one prefix cache across sessions: the
+executions of a group start with the same harness prompt, and one server computes it instead of
+every server it lands on. ``PrefixIndex`` remembers the first prompts of the sessions each server
+took under its current weight version (a new version empties that server's cache). The preference
+never starves the others: a holder is chosen only while its in-flight calls are at most
+``affinity_slack`` above the least-loaded candidate's, as SGLang's cache-aware router balances
+load before cache hits. The choice itself is the pure function ``pick_engine``; ``Router`` holds
+the state around it (its clock passed in). No I/O here.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+
+import numpy as np
 
 from base.wire import EngineRoute, RoutingTable
 
@@ -42,6 +53,9 @@ def pick_engine(
     exclude: Collection[str] = (),
     min_version: int = 0,
     down: Collection[str] = (),
+    prefix_match: Mapping[str, int] | None = None,
+    min_prefix: int = 1,
+    affinity_slack: int = 0,
 ) -> EngineRoute | None:
     """The engine for one call, or None when no engine has ``weight_version >= min_version``.
 
@@ -59,14 +73,63 @@ def pick_engine(
         for e in candidates:
             if e.url == sticky_url:
                 return e
-    return min(candidates, key=lambda e: (in_flight.get(e.url, 0), num_sticky.get(e.url, 0), e.cell_id, e.url))
+    load = {e.url: in_flight.get(e.url, 0) for e in candidates}
+    least = min(load.values())
+    holders = [e for e in candidates if (prefix_match or {}).get(e.url, 0) >= max(1, min_prefix)
+               and load[e.url] <= least + affinity_slack]
+    if holders:  # the longest prefix held; ties as below
+        return min(holders, key=lambda e: (-prefix_match[e.url], load[e.url], num_sticky.get(e.url, 0), e.cell_id, e.url))
+    return min(candidates, key=lambda e: (load[e.url], num_sticky.get(e.url, 0), e.cell_id, e.url))
+
+
+class PrefixIndex:
+    """The first prompts of the sessions each server took, per server, while its weights stay.
+
+    ``match`` gives, per server, the longest common prefix of a prompt with any prompt it holds:
+    what that server's prefix cache can at best serve. Bounded: ``per_server`` prompts per server,
+    each cut to ``max_ids`` ids (the shared part of harness prompts is their head); the oldest go
+    first. An engine's cache holds more than this index (every call's history), and may have
+    evicted some of it: the index is a hint for routing, never a claim about KV.
+    """
+
+    def __init__(self, *, per_server: int = 64, max_ids: int = 65536) -> None:
+        self.per_server, self.max_ids = per_server, max_ids
+        self._prompts: dict[str, list[np.ndarray]] = {}
+        self._versions: dict[str, int] = {}
+
+    def record(self, url: str, version: int, prompt_ids: Sequence[int]) -> None:
+        if self._versions.get(url) != version:
+            self._prompts[url], self._versions[url] = [], version
+        held = self._prompts[url]
+        held.append(np.asarray(prompt_ids[: self.max_ids], dtype=np.int64))
+        del held[: max(0, len(held) - self.per_server)]
+
+    def match(self, engines: Sequence[EngineRoute], prompt_ids: Sequence[int]) -> dict[str, int]:
+        ids = np.asarray(prompt_ids[: self.max_ids], dtype=np.int64)
+        out: dict[str, int] = {}
+        for e in engines:
+            if self._versions.get(e.url) == e.weight_version and self._prompts.get(e.url):
+                out[e.url] = max(_common_prefix(ids, held) for held in self._prompts[e.url])
+        return out
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 class Router:
     """The routing table, in-flight counts and sticky bindings of one proxy (one event loop)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, down_s: float = DOWN_S) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, down_s: float = DOWN_S,
+                 affinity_slack: int = 0, min_prefix: int = 1) -> None:
+        """``affinity_slack``, ``min_prefix``: a new session goes to a server holding at least
+        ``min_prefix`` ids of its prompt while that server has at most ``affinity_slack`` more
+        calls in flight than the least-loaded one (ProxyConfig has their meaning)."""
         self.table = RoutingTable(version=-1, engines=[])
+        self.prefixes = PrefixIndex()
+        self._affinity_slack, self._min_prefix = affinity_slack, min_prefix
         self._in_flight: Counter[str] = Counter()
         self._sticky: dict[str, dict[str, str]] = {}  # execution id -> agent -> engine url
         self._num_sticky: Counter[str] = Counter()
@@ -89,16 +152,23 @@ class Router:
         return list(self.table.engines)
 
     def choose(
-        self, execution_id: str, agent: str, *, exclude: Collection[str] = (), min_version: int = 0
+        self, execution_id: str, agent: str, *, exclude: Collection[str] = (), min_version: int = 0,
+        prompt_ids: Sequence[int] = (),
     ) -> EngineRoute | None:
-        """Pick an engine (none older than ``min_version``) and make it the agent's sticky one."""
+        """Pick an engine (none older than ``min_version``) and make it the agent's sticky one; a
+        new session's ``prompt_ids`` steer it to a server holding their prefix."""
+        sticky = self.sticky_url(execution_id, agent)
+        new_session = sticky is None and len(prompt_ids) > 0
         route = pick_engine(
             self.table.engines, in_flight=self._in_flight, num_sticky=self._num_sticky,
-            sticky_url=self.sticky_url(execution_id, agent), exclude=exclude, min_version=min_version,
-            down=self.down(),
+            sticky_url=sticky, exclude=exclude, min_version=min_version, down=self.down(),
+            prefix_match=self.prefixes.match(self.table.engines, prompt_ids) if new_session else None,
+            min_prefix=self._min_prefix, affinity_slack=self._affinity_slack,
         )
         if route is not None:
             self._bind(execution_id, agent, route.url)
+            if new_session:
+                self.prefixes.record(route.url, route.weight_version, prompt_ids)
         return route
 
     def failed(self, url: str) -> None:

@@ -105,7 +105,7 @@ class ProxyServer:
         self.tok = tokenizer
         self.rollout = rollout
         self.sink = sink
-        self.router = Router()
+        self.router = Router(affinity_slack=cfg.affinity_slack, min_prefix=cfg.affinity_min_prefix)
         self.sessions = SessionStore(tokenizer, memory_bytes=cfg.session_memory_bytes)
         self.minted = anthropic_api.MintedToolUses()
         self.url = ""

@@ -44,7 +44,7 @@ TOK = get_tokenizer("qwen_compact", 4096)
 PROXY_CONFIG = {
     "host": "127.0.0.1", "port": 0, "model_name": "gyre-policy", "max_request_bytes": 65536, "read_timeout_s": 30.0,
     "max_context_tokens": 2048, "max_new_tokens_cap": 64, "truncation_ends_turn": False, "engine_timeout_s": 20.0,
-    "retry_attempts": 3, "route_wait_s": 0.3, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
+    "retry_attempts": 3, "route_wait_s": 0.3, "affinity_slack": 0, "affinity_min_prefix": 1024, "record_ack_timeout_s": 10.0, "record_resend_s": 0.5,
     "max_unacked_record_bytes": 1 << 30, "session_memory_bytes": 64 << 20, "max_session_bytes": 8 << 30,
     "execution_budget": {"max_calls": 2000, "max_tokens": 50_000_000, "max_wall_s": 14400.0, "max_concurrent_calls": 8},
 }

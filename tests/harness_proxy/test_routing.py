@@ -100,3 +100,42 @@ def test_sessions_stick_spread_and_move_off_a_dead_server():
     r.failed(dead)
     r.succeeded(dead)  # an answer clears it at once
     assert r.down() == set()
+
+
+def test_a_new_session_prefers_the_server_holding_its_prefix_within_the_slack():
+    match = {"http://e1": 3000, "http://e2": 5000}
+    pick = lambda load, slack: pick_engine(E, in_flight=load, num_sticky={}, prefix_match=match,  # noqa: E731
+                                           min_prefix=1024, affinity_slack=slack)
+    assert pick({}, 0) == E[2]  # the longest prefix held
+    assert pick({"http://e2": 3}, 4) == E[2]
+    assert pick({"http://e2": 5}, 4) == E[1]  # e2 over the slack: the next holder
+    assert pick({"http://e1": 5, "http://e2": 5}, 4) == E[0]  # every holder over it: the least loaded
+    assert pick_engine(E, in_flight={}, num_sticky={}, prefix_match={"http://e1": 1000}, min_prefix=1024) == E[0]
+    # a pinned session stays where it is, whatever another server holds
+    assert pick_engine(E, in_flight={}, num_sticky={}, sticky_url="http://e0", prefix_match=match) == E[0]
+
+
+@given(st.dictionaries(st.sampled_from([e.url for e in E]), st.integers(0, 20)),
+       st.dictionaries(st.sampled_from([e.url for e in E]), st.integers(0, 9000)), st.integers(0, 6))
+def test_affinity_never_loads_a_server_past_the_slack(in_flight, match, slack):
+    got = pick_engine(E, in_flight=in_flight, num_sticky={}, prefix_match=match, min_prefix=1024, affinity_slack=slack)
+    least = min(in_flight.get(e.url, 0) for e in E)
+    assert in_flight.get(got.url, 0) <= least + slack
+
+
+def test_a_group_started_at_once_lands_on_few_servers_and_new_weights_forget_the_index():
+    """Sixteen sessions with one harness prompt on four servers: the prefix holder takes them while
+    it is at most `slack` calls ahead, then a second server; a weight update empties the hint."""
+    servers = [EngineRoute(cell_id=i, url=f"http://e{i}") for i in range(4)]
+    router = Router(affinity_slack=8, min_prefix=1024)
+    router.update(RoutingTable(version=1, engines=servers))
+    prompt = list(range(5000))
+    used = []
+    for i in range(16):
+        route = router.choose(f"ex{i}", "main", prompt_ids=[*prompt, 100_000 + i])
+        used.append(route.url)
+        router._in_flight[route.url] += 1  # the call is in flight: its first answer is minutes away
+    assert used[:9] == ["http://e0"] * 9 and set(used) == {"http://e0", "http://e1"}
+    newer = [EngineRoute(cell_id=s.cell_id, url=s.url, weight_version=2) for s in servers]
+    router.update(RoutingTable(version=2, engines=newer))
+    assert router.prefixes.match(newer, prompt) == {}

@@ -201,8 +201,10 @@ class EmbeddedEngine:
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
         api_key: str = "",
+        share_prefill: bool = True,
     ) -> None:
         """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning).
+        `share_prefill`: as `engine_batch.BatchLoop`'s.
         `api_key`: every route but /health wants `Authorization: Bearer <api_key>` ("" = open),
         as SGLang's --api-key (base.engine_key)."""
         if max_running < 1:
@@ -216,6 +218,7 @@ class EmbeddedEngine:
         self._batch_loop = BatchLoop(
             max_running=max_running, seed=seed, name=f"engine-gen-{cell_id}",
             prefix_cache_bytes=prefix_cache_bytes, prefix_cache_min_tokens=prefix_cache_min_tokens,
+            share_prefill=share_prefill,
         )
         self._lifecycle = threading.Lock()  # one of resume/update/drain/release/stop at a time
         self._specs: tuple[TensorSpec, ...] | None = None  # manifest of the loaded weights, to read disk files

@@ -255,9 +255,13 @@ class BatchLoop:
     """
 
     def __init__(
-        self, *, max_running: int, seed: int, name: str, prefix_cache_bytes: int = 0, prefix_cache_min_tokens: int = 1
+        self, *, max_running: int, seed: int, name: str, prefix_cache_bytes: int = 0, prefix_cache_min_tokens: int = 1,
+        share_prefill: bool = True,
     ) -> None:
+        """`share_prefill` False: newcomers that share a prefix each compute it, and only finished
+        requests are cached (the engine before it shared; kept for bench.kv_reuse's comparison)."""
         self._max_running = max_running
+        self._share_prefill = share_prefill
         self._prefix = (
             PrefixCache(max_bytes=prefix_cache_bytes, min_tokens=prefix_cache_min_tokens) if prefix_cache_bytes else None
         )
@@ -496,7 +500,7 @@ class BatchLoop:
             n, past = (0, None) if self._prefix is None else self._prefix.match(r.input_ids[:-1])
             ids = np.asarray(r.input_ids[:-1], dtype=np.int64)
             shared = max((common_prefix(ids, other) for other in running), default=0)
-            if self._prefix is not None and shared >= self._prefix.min_tokens and shared > n:
+            if self._share_prefill and self._prefix is not None and shared >= self._prefix.min_tokens and shared > n:
                 later.append(r)  # another newcomer computes the longer prefix this round
                 continue
             running.append(ids)
@@ -508,7 +512,7 @@ class BatchLoop:
         return fresh, hits, later
 
     def _keep_prompt_kv(self, row: int, r: GenRequest) -> None:
-        if self._prefix is not None:
+        if self._prefix is not None and self._share_prefill:
             self._prefix.insert(r.input_ids, self._batch.row_kv(row, len(r.input_ids)))
 
     def _keep_kv(self, row: int, r: GenRequest) -> None:

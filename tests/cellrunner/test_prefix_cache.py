@@ -27,10 +27,11 @@ SAME = 1e-5
 def engines(model_cfg, vocab_size, weights):
     made = []
 
-    def make(*, cache_bytes: int = 64 << 20, min_tokens: int = 8) -> EmbeddedEngine:
+    def make(*, cache_bytes: int = 64 << 20, min_tokens: int = 8, share_prefill: bool = True) -> EmbeddedEngine:
         engine = EmbeddedEngine(
             model_cfg=model_cfg, vocab_size=vocab_size, host="127.0.0.1", port=0, cell_id=len(made),
             max_running=8, seed=0, prefix_cache_bytes=cache_bytes, prefix_cache_min_tokens=min_tokens,
+            share_prefill=share_prefill,
         )
         made.append(engine)
         engine.start()
@@ -252,3 +253,6 @@ def test_a_group_started_at_once_computes_its_shared_prompt_once(engines, refere
     before = engine.num_prefill_tokens()
     assert [r["meta_info"]["cached_tokens"] for r in _one_admission(engine, unrelated)] == [0, 0, 0]
     assert engine.num_prefill_tokens() - before == 180
+    unshared = engines(share_prefill=False)  # the engine before: every newcomer computes the prompt
+    assert [r["output_ids"] for r in _one_admission(unshared, prompts)] == [r["output_ids"] for r in replies]
+    assert unshared.num_prefill_tokens() == 8 * 308

@@ -212,7 +212,7 @@ class ExecutionManager:
         launch = HarnessLaunch(
             execution_id=ex.execution_id, workspace=WORKSPACE_INSIDE if fixed else ws,
             prompt_file=PROMPT_INSIDE if fixed else prompt_file, home=HOME_INSIDE if fixed else home,
-            host_home=home, model=self.model_name,
+            host_home=home, host_prompt_file=prompt_file, model=self.model_name,
             base_url=f"{self.proxy.url}/v1", anthropic_base_url=self.proxy.url, token=token,
             max_turns=shape.max_turns, max_new_tokens=self.cfg.max_new_tokens, temperature=ex.temperature,
             think_scale=shape.think_scale,

@@ -145,6 +145,8 @@ class HarnessLaunch:
     host_home: Path | None = None
     """Where ``home`` is on this host, for files an adapter writes before the start; None: ``home``.
     ``workspace``, ``prompt_file`` and ``home`` are the paths the harness sees."""
+    host_prompt_file: Path | None = None
+    """Where ``prompt_file`` is on this host, for an adapter that reads it; None: ``prompt_file``."""
     model: str
     base_url: str
     """The proxy's OpenAI base, ending in ``/v1``."""
@@ -162,6 +164,10 @@ class HarnessLaunch:
     @property
     def home_on_host(self) -> Path:
         return self.host_home if self.host_home is not None else self.home
+
+    @property
+    def prompt_file_on_host(self) -> Path:
+        return self.host_prompt_file if self.host_prompt_file is not None else self.prompt_file
 
 
 @dataclass(frozen=True, kw_only=True)

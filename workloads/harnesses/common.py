@@ -62,7 +62,7 @@ def missing_binary(path: Path, kind: str, make_target: str) -> str:
 
 
 def read_prompt(launch: HarnessLaunch) -> str:
-    return launch.prompt_file.read_text(encoding="utf-8")
+    return launch.prompt_file_on_host.read_text(encoding="utf-8")
 
 
 # Linux caps one argv string at 128 KiB; a prompt is passed on argv by harnesses that take it there.

@@ -81,7 +81,13 @@ class _Capture(BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if "/count_tokens" in self.path:
             return self._json({"input_tokens": 1})
+        self.record(raw)
+        self.end_turn(raw)
+
+    def record(self, raw: bytes) -> None:
         self.bodies.append(raw)
+
+    def end_turn(self, raw: bytes) -> None:
         message = {"id": "msg_bench", "type": "message", "role": "assistant", "model": "gyre-policy",
                    "content": [{"type": "text", "text": "done"}], "stop_reason": "end_turn", "stop_sequence": None,
                    "usage": {"input_tokens": 1, "output_tokens": 1}}

@@ -202,9 +202,10 @@ class EmbeddedEngine:
         prefix_cache_min_tokens: int = 1,
         api_key: str = "",
         share_prefill: bool = True,
+        kv_tier: Any = None,
     ) -> None:
         """`prefix_cache_bytes` 0: no prefix cache (EmbeddedEngineConfig has the fields' meaning).
-        `share_prefill`: as `engine_batch.BatchLoop`'s.
+        `share_prefill`, `kv_tier`: as `engine_batch.BatchLoop`'s.
         `api_key`: every route but /health wants `Authorization: Bearer <api_key>` ("" = open),
         as SGLang's --api-key (base.engine_key)."""
         if max_running < 1:
@@ -218,7 +219,7 @@ class EmbeddedEngine:
         self._batch_loop = BatchLoop(
             max_running=max_running, seed=seed, name=f"engine-gen-{cell_id}",
             prefix_cache_bytes=prefix_cache_bytes, prefix_cache_min_tokens=prefix_cache_min_tokens,
-            share_prefill=share_prefill,
+            share_prefill=share_prefill, kv_tier=kv_tier,
         )
         self._lifecycle = threading.Lock()  # one of resume/update/drain/release/stop at a time
         self._specs: tuple[TensorSpec, ...] | None = None  # manifest of the loaded weights, to read disk files
@@ -244,6 +245,10 @@ class EmbeddedEngine:
     def prefix_cache_usage(self) -> tuple[int, int]:
         """(entries, bytes) held by the prefix cache."""
         return self._batch_loop.prefix_cache_usage()
+
+    def num_tier_tokens(self) -> int:
+        """Prompt tokens whose KV came from the run's shared KV tier."""
+        return self._batch_loop.num_tier_tokens()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -290,6 +295,11 @@ class EmbeddedEngine:
                         "engine cell=%s: %s requests still open after abort", self._cell_id, self.num_running()
                     )
             num_aborted = self._batch_loop.num_aborted - aborted_before
+            # Its sessions' next calls go to other cells: they read this KV from the shared tier
+            # instead of computing it again (the aborted calls' prompts and output are in it too).
+            spilled = self._batch_loop.spill_to_tier()
+            if spilled:
+                logger.info("engine cell=%s wrote %s KV pages to the shared tier", self._cell_id, spilled)
             # A drained cell goes on to train: whatever it serves next runs on other weights.
             self._batch_loop.clear_prefix_cache()
         logger.info("engine cell=%s drained, %s aborted", self._cell_id, num_aborted)

@@ -256,12 +256,16 @@ class BatchLoop:
 
     def __init__(
         self, *, max_running: int, seed: int, name: str, prefix_cache_bytes: int = 0, prefix_cache_min_tokens: int = 1,
-        share_prefill: bool = True,
+        share_prefill: bool = True, kv_tier: Any = None,
     ) -> None:
         """`share_prefill` False: newcomers that share a prefix each compute it, and only finished
-        requests are cached (the engine before it shared; kept for bench.kv_reuse's comparison)."""
+        requests are cached (the engine before it shared; kept for bench.kv_reuse's comparison).
+        `kv_tier`: a `cellrunner.kv_tier.KVTier` the engines of a run share, or None: a prompt the
+        prefix cache misses is looked up there, and `spill_to_tier` writes the cache to it."""
         self._max_running = max_running
         self._share_prefill = share_prefill
+        self._tier = kv_tier
+        self._num_tier_tokens = 0  # prompt tokens whose KV came from the tier
         self._prefix = (
             PrefixCache(max_bytes=prefix_cache_bytes, min_tokens=prefix_cache_min_tokens) if prefix_cache_bytes else None
         )
@@ -309,6 +313,22 @@ class BatchLoop:
         """Prompt tokens prefilled since start, without the cached ones and without padding."""
         with self._cond:
             return self._num_prefill_tokens
+
+    def num_tier_tokens(self) -> int:
+        """Prompt tokens whose KV was read from the shared tier since start."""
+        with self._cond:
+            return self._num_tier_tokens
+
+    def spill_to_tier(self) -> int:
+        """Write every prefix-cache entry to the shared tier under the current weight version (a
+        draining cell: its sessions' next calls go to other cells); return the pages written."""
+
+        def op() -> int:
+            if self._tier is None or self._prefix is None or self._version is None:
+                return 0
+            return sum(self._tier.put(self._version, tokens.tolist(), kv) for tokens, kv in self._prefix.entries())
+
+        return self.call(op)
 
     def set_accepting(self, accepting: bool) -> None:
         with self._cond:
@@ -498,6 +518,8 @@ class BatchLoop:
             r.kv_epoch = self._epoch
             # One token at least must run through the model to give the next-token logits.
             n, past = (0, None) if self._prefix is None else self._prefix.match(r.input_ids[:-1])
+            if self._tier is not None and n < len(r.input_ids) - 1:
+                n, past = self._from_tier(r, n, past)
             ids = np.asarray(r.input_ids[:-1], dtype=np.int64)
             shared = max((common_prefix(ids, other) for other in running), default=0)
             if self._share_prefill and self._prefix is not None and shared >= self._prefix.min_tokens and shared > n:
@@ -510,6 +532,18 @@ class BatchLoop:
                 r.cached_tokens = n
                 hits.append((r, past))
         return fresh, hits, later
+
+    def _from_tier(self, r: GenRequest, n: int, past: KV | None) -> tuple[int, KV | None]:
+        """The tier's KV of the prompt's head where it holds more than the local cache (its
+        pages are keyed by weight version: KV of other weights is never read); kept locally too."""
+        got, kv = self._tier.get(self._version, r.input_ids)
+        if kv is None or got <= n:
+            return n, past
+        if self._prefix is not None:
+            self._prefix.insert(r.input_ids[:got], kv)
+        with self._cond:
+            self._num_tier_tokens += got
+        return got, kv
 
     def _keep_prompt_kv(self, row: int, r: GenRequest) -> None:
         if self._prefix is not None and self._share_prefill:

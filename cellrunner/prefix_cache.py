@@ -53,6 +53,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[tuple[np.ndarray, KV]]:
+        """(token ids, KV) of every entry, least recently used first."""
+        return [(e.tokens, e.kv) for e in self._entries.values()]
+
     def clear(self) -> None:
         self._entries.clear()
         self.nbytes = 0

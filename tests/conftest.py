@@ -16,7 +16,7 @@ SLOW_FILES = {
     "cellrunner/test_megatron_scale.py", "cellrunner/test_megatron_resume.py",
     "cellrunner/test_megatron_offload_export.py", "cellrunner/test_cell_servers.py",
     "cellrunner/test_engine_sglang.py", "cellrunner/test_transfer_mooncake.py", "cellrunner/test_mooncake_slots.py",
-    "cellrunner/test_export_dtype.py", "cellrunner/test_command_timeout.py", "cellrunner/test_cell_heartbeat.py",
+    "cellrunner/test_export_dtype.py", "cellrunner/test_kv_tier.py", "cellrunner/test_engine_kv_tier.py", "cellrunner/test_command_timeout.py", "cellrunner/test_cell_heartbeat.py",
     "cellrunner/test_hf_checkpoint.py", "cellrunner/test_checkpoint.py",
     # real harness binaries, the proxy restarted under them
     "harness_proxy/test_claude_code.py", "harness_proxy/test_qwen_code.py", "harness_proxy/test_mini_swe_agent.py",

@@ -98,12 +98,12 @@ run: venv claude-code
 	$(BIN)/gyre $(ARGS)
 
 test: system-packages venv claude-code mini-swe-agent qwen-code
-	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # The edit loop: no end-to-end runs, no Slurm, no system packages or harness binaries, no
 # multi-process cells (tests/conftest.py lists what is left out and why). Includes the docs' link check.
 test-fast: venv
-	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 bench: venv litellm
 	$(BIN)/python -m bench.learnability --vocab-bench

@@ -37,22 +37,35 @@ SLOW_FILES = {
 TESTS = Path(__file__).resolve().parent
 
 
+# Folders whose files share one session-scoped thing, so they run on one pytest-xdist worker
+# (make test runs several): the local Slurm cluster that the first slurm test brings up and that
+# worker's session end takes down; the viewer's one real Claude Code run.
+SHARED_FOLDERS = ("tests/slurm/", "tests/viewer/")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: left out of make test-fast (tests/conftest.py says which and why)")
+    if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with it
+        config.pluginmanager.register(_FileScheduling(), "gyre-file-scheduling")
 
 
-# Folders whose files share one session-scoped thing, so pytest-xdist (make test runs it) keeps
-# each folder on one worker: the local Slurm cluster that the first slurm test brings up and the
-# worker's session end takes down; the viewer's one real Claude Code run.
-SHARED_FOLDERS = ("slurm/", "viewer/")
+class _FileScheduling:
+    @staticmethod
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        """Each test file whole on one worker (its tests share module fixtures: engines, proxies),
+        and each SHARED_FOLDERS folder whole on one."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class FileOrFolder(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::", 1)[0]
+                return next((folder for folder in SHARED_FOLDERS if path.startswith(folder)), path)
+
+        return FileOrFolder(config, log)  # type: ignore[arg-type]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
         if rel in SLOW_FILES or rel.startswith(("slurm/", "e2e/")):
             item.add_marker(pytest.mark.slow)
-        # `--dist loadgroup` sends a group to one worker: a file's tests share its module fixtures
-        group = next((folder for folder in SHARED_FOLDERS if rel.startswith(folder)), rel)
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -3,6 +3,7 @@ transfer that config names (heavy backends are imported only when chosen)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +53,8 @@ class CellRunnerConfig:
     resume_from: str
     """The checkpoint folder the controller chose for the core to start from ('' = the seeded init)."""
     resume_version: int
+    kv_tier_address: str
+    """The run's Mooncake Store master (``engine.kv_tier``), host:port; '' = no shared KV tier."""
 
 
 def make_trainer(cfg: CellRunnerConfig, vocab_size: int, is_core: bool, *, multi_rank: bool = False) -> Any:
@@ -110,16 +113,27 @@ def check_ranks(cfg: CellRunnerConfig, ranks: CellRanks) -> None:
                          "engine.weight_dir to a shared folder")
 
 
+def sglang_engine_config(cfg: CellRunnerConfig) -> SGLangConfig:
+    """``cfg.engine`` with the run's Mooncake Store as HiCache's L3 where ``engine.kv_tier`` is on
+    and names no master of its own (the controller started one with the run)."""
+    engine = cfg.engine
+    assert isinstance(engine, SGLangConfig)
+    if not engine.kv_tier.enabled or engine.kv_tier.master_address or not cfg.kv_tier_address:
+        return engine
+    return dataclasses.replace(engine, kv_tier=dataclasses.replace(engine.kv_tier, master_address=cfg.kv_tier_address))
+
+
 def _part_process(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, part: ServerPart,
                   hosts: list[str], api_key: str) -> Any:
     from cellrunner.engine_sglang import SGLangProcess
 
     assert isinstance(cfg.engine, SGLangConfig)
+    engine = sglang_engine_config(cfg)
     addr = ""
     if cfg.engine.nnodes > 1:  # the server's first node hosts its rendezvous; one port per server
         per_node = ranks.world_size // ranks.nnodes
         addr = f"{hosts[part.first_node * per_node]}:{cfg.engine.dist_init_port + part.server}"
-    return SGLangProcess(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+    return SGLangProcess(engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                          cell_id=cell_id, max_running=cfg.capacity_per_cell,
                          seed=cfg.seed * 1000 + cell_id + 1_000_000 * part.server,  # servers sample apart
                          log_dir=cfg.log_dir, server=part.server, node_rank=part.node_rank,
@@ -146,14 +160,21 @@ def make_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: Cel
             own = _part_process(cfg, vocab_size, cell_id, ranks, part, hosts, api_key)
             # in rank order, which is server order (cellrunner.servers numbers them so)
             others = [u for u in channel.gather_strings(own.url)[1:] if u]
-        return SGLangEngine(cfg.engine, model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
+        return SGLangEngine(sglang_engine_config(cfg), model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                             cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed, log_dir=cfg.log_dir,
                             api_key=api_key, process=own, other_servers=others,
                             log_paths=[server_log_path(cfg.log_dir, cell_id, k, 0) for k in range(1, 1 + len(others))])
+    tier = None
+    if cfg.kv_tier_address and cfg.engine.kv_tier.enabled:
+        from cellrunner.kv_tier import KVTier
+
+        # namespace: the model, so no other model's pages are ever read (versions restart per run)
+        tier = KVTier(cfg.kv_tier_address, namespace=cfg.model.name.replace(" ", "_") or "model",
+                      page_tokens=cfg.engine.kv_tier.page_tokens, local_hostname=cfg.host)
     return EmbeddedEngine(model_cfg=cfg.model, vocab_size=vocab_size, host=cfg.host, port=0,
                           cell_id=cell_id, max_running=cfg.capacity_per_cell, seed=seed,
                           prefix_cache_bytes=cfg.engine.prefix_cache_bytes,
-                          prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens, api_key=api_key)
+                          prefix_cache_min_tokens=cfg.engine.prefix_cache_min_tokens, api_key=api_key, kv_tier=tier)
 
 
 def make_node_engine(cfg: CellRunnerConfig, vocab_size: int, cell_id: int, ranks: CellRanks, api_key: str = "",

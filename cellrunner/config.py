@@ -111,6 +111,24 @@ class MooncakeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EmbeddedKVTierConfig:
+    """Typed mirror of ``engine.kv_tier`` in conf/engine/embedded.yaml: a Mooncake Store the run's
+    engines share (``cellrunner.kv_tier``), so a session redirected off a draining cell continues
+    from its KV instead of computing it again."""
+
+    enabled: bool
+    segment_bytes: int
+    """Memory the run's store holds for KV pages (its memory holder, started with the run)."""
+    page_tokens: int
+    """Tokens a page holds: the unit stored, keyed and read; a prompt's last partial page is computed."""
+
+    def check(self) -> None:
+        if self.segment_bytes < 1 or self.page_tokens < 1:
+            raise ValueError(f"kv_tier: want segment_bytes >= 1 and page_tokens >= 1, got {self.segment_bytes}, "
+                             f"{self.page_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmbeddedEngineConfig:
     """Typed mirror of conf/engine/embedded.yaml: the torch engine on SGLang's native API (cellrunner.engine)."""
 
@@ -120,6 +138,7 @@ class EmbeddedEngineConfig:
     prefix_cache_min_tokens: int
     """Shortest cached prefix worth reusing: a hit prefills on a row of its own, so a few shared
     template tokens would cost a short prompt its place in the batched prefill."""
+    kv_tier: EmbeddedKVTierConfig
 
     def check(self) -> None:
         if self.prefix_cache_bytes < 0:
@@ -185,6 +204,83 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SGLangKVTierConfig:
+    """Typed mirror of ``engine.kv_tier`` (conf/engine/sglang.yaml): SGLang's HiCache with Mooncake
+    Store as an L3 shared by every server of the run (``cellrunner.sglang_hicache``, GPU.md).
+
+    Checked here so a bad combination stops at start-up in words, not deep in SGLang's resolution
+    hooks (``sglang/srt/arg_groups/hicache_hook.py``), some of which silently rewrite it."""
+
+    enabled: bool
+    page_size: int
+    """Tokens a KV page holds (``--page-size``): the unit L3 keys and transfers are made of."""
+    host_ratio: float
+    """L2 host pool as a multiple of the GPU pool (``--hicache-ratio``); 0 when ``host_size_gb`` is set."""
+    host_size_gb: int
+    """L2 host pool in GB (``--hicache-size``); 0: sized by ``host_ratio``."""
+    write_policy: Literal["write_through", "write_through_selective", "write_back"]
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"]
+    mem_layout: Literal["page_first", "page_first_direct", "layer_first"]
+    io_backend: Literal["kernel", "direct"]
+    master_address: str
+    """``host:port`` of the run's ``mooncake_master`` RPC; "" = the run's, filled in when it starts one."""
+    master_metrics_port: int
+    """The master's HTTP port (``--metrics_port``). > 0: a server starts only once the master there
+    lists a segment (SGLang's ``check_server``); 0: no such wait (the run's store starts with its
+    memory mounted already)."""
+    protocol: Literal["tcp", "rdma"]
+    device_name: str
+    """RDMA NICs for the store, comma separated; "" = Mooncake's discovery. Ignored with ``tcp``."""
+    segment_bytes: int
+    """Memory the run's store holds for pages, in its memory holders (``mooncake_client``), which
+    the run starts with its master. Pages there outlive a server's version switch and release."""
+    server_segment_bytes: int
+    """Memory each server lends the store besides (0, the default: none). Its pages go whenever
+    the server re-attaches the store, that is at every weight version."""
+    namespace: str
+    """First part of every L3 key tag (the weight version and the layout follow it)."""
+
+    def check(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size: want >= 1, got {self.page_size}")
+        if (self.host_ratio > 0) == (self.host_size_gb > 0) or self.host_ratio < 0 or self.host_size_gb < 0:
+            raise ValueError("set exactly one of host_ratio (> 0) and host_size_gb (> 0), the other 0; "
+                             f"got host_ratio={self.host_ratio}, host_size_gb={self.host_size_gb}")
+        if self.write_policy == "write_back":
+            raise ValueError("write_policy: write_back puts a page in the shared L3 only when the host "
+                             "tier evicts it, so other servers rarely find it; want write_through")
+        if self.mem_layout == "layer_first":  # hicache_hook.resolve_storage_layout_compatibility rewrites it
+            raise ValueError("mem_layout: SGLang's Mooncake backend cannot store layer_first pages; "
+                             "want page_first (io_backend kernel) or page_first_direct (io_backend direct)")
+        wanted_io = {"page_first": "kernel", "page_first_direct": "direct"}[self.mem_layout]
+        if self.io_backend != wanted_io:  # hicache_hook.resolve_layout_io_compatibility would switch one
+            raise ValueError(f"mem_layout {self.mem_layout} goes with io_backend {wanted_io}, "
+                             f"got {self.io_backend}")
+        if self.master_address and not _is_host_port(self.master_address):
+            raise ValueError(f"master_address: want host:port or \"\", got {self.master_address!r}")
+        if not 0 <= self.master_metrics_port < 65536:
+            raise ValueError(f"master_metrics_port: want 0..65535, got {self.master_metrics_port}")
+        if self.segment_bytes < 0 or self.server_segment_bytes < 0 or not self.segment_bytes + self.server_segment_bytes:
+            raise ValueError(f"segment_bytes, server_segment_bytes: want >= 0 and not both 0 (the store needs "
+                             f"memory), got {self.segment_bytes}, {self.server_segment_bytes}")
+        if self.master_metrics_port and self.server_segment_bytes:  # MooncakeStore.check_server runs before setup
+            raise ValueError("master_metrics_port: a server lending memory (server_segment_bytes) would wait for "
+                             "its own segment, mounted only after that check; want 0")
+        if not self.namespace or not all(c.isalnum() or c in "-." for c in self.namespace):
+            raise ValueError(f"namespace: want letters, digits, '-' or '.', got {self.namespace!r}")
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+KV_TIER_FLAGS = ("--enable-hierarchical-cache", "--enable-hicache", "--page-size", "--served-model-name",
+                 "--admin-api-key")
+"""Flags ``engine.kv_tier`` sets itself (with every ``--hicache-*``): not also in ``extra_args``."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SGLangConfig:
     """Typed mirror of conf/engine/sglang.yaml: a cell's SGLang servers (``cellrunner.servers``)."""
 
@@ -210,10 +306,12 @@ class SGLangConfig:
     request_timeout_s: float
     poll_interval_s: float
     extra_args: tuple[str, ...]
-    """Passed through to ``sglang.launch_server`` as they are (e.g. HiCache flags)."""
+    """Passed through to ``sglang.launch_server`` as they are (HiCache: ``kv_tier``, not here)."""
     flush_cache_timeout_s: float
     """How long ``/flush_cache`` may answer 400 (requests still running or waiting in the scheduler)
     before a release or load gives up; it is retried with backoff until then."""
+    kv_tier: SGLangKVTierConfig
+    """HiCache with Mooncake Store as the run's shared L3 (off: each server keeps its own cache)."""
 
     def check(self) -> None:
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
@@ -229,3 +327,16 @@ class SGLangConfig:
             # Every node's ranks of the server load each version from weight_dir, which node 0 writes.
             raise ValueError(f"weight_dir: {self.weight_dir} is node-local, and a server spanning {self.nnodes} "
                              "nodes loads each version on every node; set engine.weight_dir to a shared folder")
+        self._check_kv_tier_flags()
+
+    def _check_kv_tier_flags(self) -> None:
+        """One source for the HiCache flags: an L3 from ``extra_args`` would have no weight version
+        in its keys, and a server at v+1 would read pages computed under v."""
+        given = [a.split("=", 1)[0] for a in self.extra_args if a.startswith("--")]
+        if "--hicache-storage-backend" in given:
+            raise ValueError("extra_args: --hicache-storage-backend keeps no weight version in its keys; "
+                             "use engine.kv_tier (it tags every page with the version)")
+        if self.kv_tier.enabled:
+            clash = sorted({g for g in given if g in KV_TIER_FLAGS or g.startswith("--hicache-")})
+            if clash:
+                raise ValueError(f"extra_args: {clash} are set by engine.kv_tier; drop them from extra_args")

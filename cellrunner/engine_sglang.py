@@ -31,6 +31,9 @@ ids in, token ids and log-probs out: ``--skip-tokenizer-init``).
   ``/release_memory_occupation`` (all tags). Train -> serve: ``/resume_memory_occupation``
   weights, ``/flush_cache`` until 200, load the new version, resume kv_cache + cuda_graph,
   ``/continue_generation``. Release and resume answer ``200 null`` (the route returns nothing).
+- Shared KV (``engine.kv_tier``, off by default): HiCache with Mooncake Store as the run's L3
+  (``cellrunner.sglang_hicache``). Every load detaches the store first and attaches it again after,
+  its keys tagged with the new version; an update while serving then pauses (abort mode) around it.
 - Load: the server's Prometheus gauges (``--enable-metrics``): running + queued requests, and
   the aborted-requests counter for what a drain cut short.
 
@@ -60,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cellrunner import sglang_hicache
 from cellrunner.errors import BackendUnavailable
 from cellrunner.config import ModelConfig, SGLangConfig
 from cellrunner.model import FlatWeights, hf_config
@@ -85,30 +89,42 @@ class SGLangError(BackendUnavailable):
     """An SGLang server failed to start, died, or answered an admin call badly."""
 
 
-_LAUNCH_WITH_KEY = (
-    "import os, runpy, sys; key = os.environ.pop('GYRE_ENGINE_API_KEY', ''); "
-    "sys.argv += ['--api-key', key] if key else []; "
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
-)
-"""Runs ``sglang.launch_server`` with ``--api-key`` from the environment (``engine_key.ENV``) added
-inside the process: ``/proc/<pid>/cmdline`` keeps the argv it was started with, which every local
-user can read. Plain Python, so it needs nothing of Gyre in the SGLang environment."""
+def _launch_with_key(key_flags: tuple[str, ...]) -> str:
+    """Python that runs ``sglang.launch_server`` with each of ``key_flags`` followed by the key from
+    the environment (``engine_key.ENV``), added inside the process: ``/proc/<pid>/cmdline`` keeps the
+    argv it was started with, which every local user can read. Plain Python, so it needs nothing of
+    Gyre in the SGLang environment."""
+    return (
+        "import os, runpy, sys; key = os.environ.pop('GYRE_ENGINE_API_KEY', ''); "
+        f"sys.argv += [a for flag in {list(key_flags)!r} for a in (flag, key)] if key else []; "
+        "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)"
+    )
+
+
+_LAUNCH_WITH_KEY = _launch_with_key(("--api-key",))
+_LAUNCH_WITH_ADMIN_KEY = _launch_with_key(("--api-key", "--admin-api-key"))
+"""With ``engine.kv_tier``: the same key as ``--admin-api-key`` too, which SGLang demands before it
+re-attaches the L3 store (``http_server.py``, ``attach_hicache_storage_backend``). Its admin routes
+then take the admin key only (``srt/utils/auth.py``), which is the same key, so every call works."""
 
 
 def launch_command(
     cfg: SGLangConfig, *, model_path: str, host: str, port: int, max_running: int, seed: int,
     dummy_weights: bool, node_rank: int = 0, dist_init_addr: str = "", base_gpu_id: int = 0,
+    served_model_name: str = "",
 ) -> list[str]:
     """The ``sglang.launch_server`` argv for one node of a cell's server (its API key, if any,
-    comes from ``engine_key.ENV`` in the server's environment)."""
+    comes from ``engine_key.ENV`` in the server's environment). ``served_model_name``: the same in
+    every server of the run, needed with ``kv_tier`` (``sglang_hicache.launch_flags``)."""
     if cfg.nnodes > 1 and not dist_init_addr:
         raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
     if not 0 <= node_rank < cfg.nnodes:
         raise ValueError(f"node_rank {node_rank}: want 0..{cfg.nnodes - 1}")
     if base_gpu_id < 0:
         raise ValueError(f"base_gpu_id {base_gpu_id}: want >= 0")
+    tier = cfg.kv_tier
     cmd = [
-        cfg.python or sys.executable, "-c", _LAUNCH_WITH_KEY,
+        cfg.python or sys.executable, "-c", _LAUNCH_WITH_ADMIN_KEY if tier.enabled else _LAUNCH_WITH_KEY,
         "--model-path", model_path, "--host", host, "--port", str(port),
         "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
         "--skip-tokenizer-init",  # token ids in and out, as the proxy speaks to the embedded engine
@@ -132,6 +148,8 @@ def launch_command(
         cmd += ["--base-gpu-id", str(base_gpu_id)]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+    if tier.enabled:
+        cmd += sglang_hicache.launch_flags(tier, tp_size=cfg.tp_size, served_model_name=served_model_name)
     return cmd + list(cfg.extra_args)
 
 
@@ -235,12 +253,14 @@ class SGLangProcess:
         cmd = launch_command(
             self.cfg, model_path=model_path, host=self._host, port=self._port, max_running=self._max_running,
             seed=self._seed, dummy_weights=not self._model_cfg.path, node_rank=self.node_rank,
-            dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id,
+            dist_init_addr=self.dist_init_addr, base_gpu_id=self.base_gpu_id, served_model_name=self._model_cfg.name,
         )
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         # Its own session, so stop() can end the server and every scheduler it forked together.
         env = {**os.environ, engine_key.ENV: self._api_key}
+        if self.cfg.kv_tier.enabled:
+            env.update(sglang_hicache.server_env(self._host))
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=env)
         log.info("sglang cell=%s server=%s node=%s: %s", self._cell_id, self.server, self.node_rank, " ".join(cmd))
@@ -313,6 +333,7 @@ class SGLangServer:
         if self.released:
             self.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}, want_json=False)
             self.released = False
+        self.attach_kv_tier(version)  # once the pools it registers are back
         if self.paused:
             self.post("/continue_generation", {})
             self.paused = False
@@ -320,7 +341,21 @@ class SGLangServer:
     def update(self, path: str, version: int) -> None:
         if self.released:
             raise RuntimeError(f"update_weights: {self.name} is released; resume it")
-        self.load(path, version)
+        if not self.cfg.kv_tier.enabled:
+            self.load(path, version)
+            return
+        # SGLang swaps its L3 store only on an idle scheduler (srt/managers/scheduler.py,
+        # attach/detach_hicache_storage_wrapped), so the update cannot run under live traffic: the
+        # running calls are aborted as in a drain (the proxy sends them again), new ones wait in
+        # the tokenizer until continue_generation, which follows whether the load worked or not.
+        self.post("/pause_generation", {"mode": "abort"})
+        self.paused = True
+        try:
+            self.load(path, version)
+            self.attach_kv_tier(version)
+        finally:
+            self.post("/continue_generation", {})
+            self.paused = False
 
     def load(self, path: str, version: int) -> None:
         if self.paused:
@@ -328,6 +363,9 @@ class SGLangServer:
             # flush fails it. While serving, the update waits for running calls (SGLang's
             # model-update lock) and flushes itself; live traffic would keep /flush_cache at 400.
             self.wait_idle()
+        # Off the store before the weights change: a server that fails half-way through a load
+        # must neither read nor write pages under the old version's tag.
+        self.detach_kv_tier()
         reply = self.post("/update_weights_from_disk", {
             "model_path": path, "load_format": WEIGHTS_LOAD_FORMAT, "weight_version": str(version),
             "flush_cache": True, "abort_all_requests": False,
@@ -360,6 +398,17 @@ class SGLangServer:
         self.post("/release_memory_occupation", {}, want_json=False)
         self.released = True
         self.version = None
+
+    def detach_kv_tier(self) -> None:
+        """``DELETE /hicache/storage-backend``: SGLang answers 200 also when nothing is attached."""
+        if self.cfg.kv_tier.enabled:
+            self.send_text("DELETE", "/hicache/storage-backend")
+
+    def attach_kv_tier(self, version: int) -> None:
+        """``PUT /hicache/storage-backend``: a new store backend whose keys carry ``version``."""
+        if self.cfg.kv_tier.enabled:
+            body = sglang_hicache.attach_body(self.cfg.kv_tier, tp_size=self.cfg.tp_size, version=version)
+            self.send_text("PUT", "/hicache/storage-backend", body)
 
     # ------------------------------------------------------------ HTTP
 
@@ -427,6 +476,22 @@ class SGLangServer:
             raise SGLangError(f"{where}: {reply.get('message') or reply.get('error')!r}")
         return reply
 
+    def send_text(self, method: str, path: str, body: dict | None = None) -> str:
+        """A route SGLang answers in plain text, 200 or 400 with the reason (``http_server.py``,
+        the ``/hicache/storage-backend`` routes); anything but 200 raises ``SGLangError``."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **engine_key.headers(self.api_key)})
+        where = f"{self.name}: {method} {path}"
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as r:
+                return r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:500].decode(errors="replace").strip()
+            raise SGLangError(f"{where}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise SGLangError(f"{where}: {e}") from None
+
     def get_text(self, path: str) -> str:
         try:
             req = urllib.request.Request(self.url + path, headers=engine_key.headers(self.api_key))
@@ -452,6 +517,9 @@ class SGLangEngine:
         """``process``: server 0's first part, when the caller placed it (else made from the
         arguments); ``other_servers``: the HTTP URLs of the cell's servers 1.. (started by other
         ranks), ``log_paths`` theirs (quoted when one fails to start)."""
+        if cfg.kv_tier.enabled and not api_key:
+            raise ValueError("engine.kv_tier: SGLang re-attaches its L3 store at each weight version only for "
+                             "an admin key (--admin-api-key), and the run's engine key is that key; none given")
         self.cfg = cfg
         self._cell_id = cell_id
         self.process = process or SGLangProcess(

@@ -120,7 +120,7 @@ class Controller(RunStages):
             model_name=c.proxy.model_name, secret=self.secret, limits=self.parts.limits, cgroups=self.parts.cgroups,
         )
         cell_cfg = cellrunner_config(c, checkpoint_dir=self.run_dir / "checkpoints", log_dir=self.log_dir,
-                                     resume_from=self.resume_from)
+                                     resume_from=self.resume_from, kv_tier_address=svc.kv_tier_address)
         cfg_path = svc.write_json("cellrunner.json", cell_cfg)
         for cell in self.cells.cells.values():
             cell.proc = self.cell_launcher.launch(

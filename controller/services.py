@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from base import curve, engine_key
 from base.checkpoints import Checkpoint
@@ -62,7 +62,8 @@ def make_keys(cluster: ClusterConfig, run_dir: Path) -> Path | None:
 
 
 def cellrunner_config(
-    c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path, resume_from: Checkpoint | None = None
+    c: GyreConfig, *, checkpoint_dir: Path, log_dir: Path, resume_from: Checkpoint | None = None,
+    kv_tier_address: str = "",
 ) -> dict:
     """The cellrunner's config (cellrunner.backends.CellRunnerConfig) as the JSON every cell is given."""
     return {
@@ -74,6 +75,7 @@ def cellrunner_config(
         "resume_from": str(resume_from.path) if resume_from else "",
         "resume_version": resume_from.version if resume_from else 0,
         "trainer": to_dict(c.trainer), "engine": to_dict(c.engine), "log_dir": str(log_dir),
+        "kv_tier_address": kv_tier_address,
     }
 
 
@@ -123,12 +125,15 @@ class RunServices:
         self.restarts: Counter[str] = Counter()  # processor / proxy -> restarts in place so far
         self.seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
         self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
+        self.kv_master: Any = None  # the run's shared KV tier (cellrunner.kv_tier.MooncakeMaster), if asked for
 
     # ================================================================ start and stop
 
     def start(self, records_addr: str, proxy_port: int) -> ProxyEndpoint:
-        """The processor (its records socket on ``records_addr``), then the proxy on
-        ``proxy_port`` (0: any), which sends there; return where harnesses reach the proxy."""
+        """The shared KV tier if the engine config asks for one, the processor (its records socket
+        on ``records_addr``), then the proxy on ``proxy_port`` (0: any), which sends there; return
+        where harnesses reach the proxy."""
+        self.start_kv_tier()
         self.records_addr = self.start_processor(records_addr)
         proxy_ready = self.start_proxy(proxy_port)
         self.proxy_url = proxy_ready["url"]
@@ -162,6 +167,21 @@ class RunServices:
              "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
         )
 
+    def start_kv_tier(self) -> None:
+        """``engine.kv_tier.enabled``: a Mooncake Store for this attempt's engines on the controller's
+        host (its KV is of this attempt's weights; a new attempt starts an empty one)."""
+        tier = getattr(self.cfg.engine, "kv_tier", None)
+        if tier is None or not tier.enabled or self.kv_master is not None:
+            return
+        from cellrunner.kv_tier import MooncakeMaster  # the wheel's binaries, only when asked for
+
+        self.kv_master = MooncakeMaster(segment_bytes=tier.segment_bytes, host=self.cfg.cluster.host)
+        log.info("kv tier: Mooncake Store at %s, %d MiB", self.kv_master.master_address, tier.segment_bytes >> 20)
+
+    @property
+    def kv_tier_address(self) -> str:
+        return self.kv_master.master_address if self.kv_master is not None else ""
+
     def restart_proxy(self) -> None:
         """The proxy again on its port and Unix socket, so harnesses (which retry) and sandbox
         relays reach it where they did. It knows no session: a harness's next call is rendered
@@ -184,6 +204,8 @@ class RunServices:
         """Stop the cells' processes and the services together (one grace for all), and remove a
         temporary socket folder."""
         stop(cell_procs + list(self.children.values()), grace_s=8.0)
+        if self.kv_master is not None:  # after the cells, whose drains may still be writing to it
+            self.kv_master.close()
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 

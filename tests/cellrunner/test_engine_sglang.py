@@ -43,6 +43,8 @@ VOCAB = 300
 
 STANDIN = ROOT / "tests" / "support" / "sglang_standin"
 """The SGLang stand-in: a ``sglang`` package whose ``launch_server`` is an aiohttp TEST DOUBLE."""
+KV_TIER_DEFAULT = yaml.safe_load(open(ROOT / "conf/engine/sglang.yaml"))["kv_tier"]
+"""``engine.kv_tier`` as conf/engine/sglang.yaml has it: off (tests/cellrunner/test_sglang_hicache.py turns it on)."""
 
 
 def sglang_cfg(tmp_path: Path, **over) -> SGLangConfig:
@@ -50,7 +52,7 @@ def sglang_cfg(tmp_path: Path, **over) -> SGLangConfig:
                 mem_fraction_static=0.7, dtype="bfloat16", context_length=0, disable_cuda_graph=False,
                 weight_update="disk", weight_dir=str(tmp_path / "weights"),
                 startup_timeout_s=30.0, request_timeout_s=30.0, poll_interval_s=0.02, extra_args=[],
-                flush_cache_timeout_s=30.0)
+                flush_cache_timeout_s=30.0, kv_tier=KV_TIER_DEFAULT)
     return build(SGLangConfig, {**base, **over})
 
 

@@ -11,7 +11,11 @@ venv does not have, so nothing here imports it:
   (SGLang ignores them: a misspelt key would be dropped without a word);
 - ``sglang/srt/entrypoints/http_server.py`` is read with ``ast`` for which struct a route parses
   its body into, and which query parameters it takes;
-- ``sglang/srt/configs/load_config.py`` with ``ast`` for the ``LoadFormat`` names.
+- ``sglang/srt/configs/load_config.py`` with ``ast`` for the ``LoadFormat`` names;
+- any function's source as text (``function_source``), where what matters is what it reads.
+
+``tests/support/sglang_wheel_probe.py`` goes further in a process of its own: it runs SGLang's
+own server argument parser and its Mooncake backend's config loading.
 
 The wheel is installed without its dependencies (Makefile). Missing, the tests that use it skip
 on a workstation and fail in CI (``CI=true``).
@@ -103,9 +107,38 @@ def _route_functions() -> dict[str, ast.AsyncFunctionDef]:
     return out
 
 
-def route_body_type(route: str) -> str | None:
-    """The class ``http_server.py`` parses ``route``'s JSON body into (``Annotated[X, Body()]``)."""
+def _route_methods(dec: ast.Call) -> set[str]:
+    """The HTTP methods of one ``@app.<get|post|put|delete|api_route>(...)`` decorator."""
+    if dec.func.attr != "api_route":
+        return {dec.func.attr.upper()}
+    for kw in dec.keywords:
+        if kw.arg == "methods":
+            return set(ast.literal_eval(kw.value))
+    return {"GET"}
+
+
+def route_handler(route: str, method: str) -> str:
+    """The name of the function ``http_server.py`` serves ``method route`` with (one path may
+    have a handler per method: ``/hicache/storage-backend`` has GET, PUT and DELETE)."""
+    for node in _tree("srt/entrypoints/http_server.py").body:
+        if not isinstance(node, ast.AsyncFunctionDef):
+            continue
+        for dec in node.decorator_list:
+            if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"
+                    and dec.args and isinstance(dec.args[0], ast.Constant) and dec.args[0].value == route
+                    and method in _route_methods(dec)):
+                return node.name
+    raise AssertionError(f"http_server.py: no {method} {route}")
+
+
+def route_body_type(route: str, method: str | None = None) -> str | None:
+    """The class ``http_server.py`` parses ``route``'s JSON body into (``Annotated[X, Body()]``);
+    ``method`` picks the handler where a path has several."""
     fn = _route_functions()[route]
+    if method is not None:
+        fn = next(n for n in _tree("srt/entrypoints/http_server.py").body
+                  if isinstance(n, ast.AsyncFunctionDef) and n.name == route_handler(route, method))
     for arg in fn.args.args:
         ann = arg.annotation
         if (isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Annotated"
@@ -166,10 +199,10 @@ def io_struct(name: str) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, spec, kw_only=True, forbid_unknown_fields=True)
 
 
-def check_body(route: str, body: Any) -> None:
+def check_body(route: str, body: Any, method: str | None = None) -> None:
     """Raise ``msgspec.ValidationError`` unless ``body`` is what ``route``'s struct accepts, strictly:
     known fields only, declared types, required fields present."""
-    type_name = route_body_type(route)
+    type_name = route_body_type(route, method)
     assert type_name is not None, f"{route}: http_server.py declares no JSON body"
     msgspec.convert(body, type=io_struct(type_name), strict=True)
 
@@ -182,3 +215,18 @@ def check_api_type(type_name: str, value: Any) -> None:
     if isinstance(value, dict):
         unknown = set(value) - set(cls.__struct_encode_fields__)
         assert not unknown, f"{type_name}: unknown fields {sorted(unknown)}"
+
+
+# ------------------------------------------------------------------ source, function by function
+
+
+def function_source(relpath: str, function: str, class_name: str | None = None) -> str:
+    """The source of ``function`` (a method of ``class_name`` if given) in the wheel's ``relpath``:
+    a contract read as text where running it would need SGLang's GPU dependencies."""
+    body = _tree(relpath).body
+    if class_name is not None:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            return ast.get_source_segment((wheel_root() / relpath).read_text(), node)
+    raise AssertionError(f"{relpath}: no {class_name + '.' if class_name else ''}{function}")

@@ -9,13 +9,17 @@ from aiohttp import web
 from safetensors import safe_open
 
 ap = argparse.ArgumentParser()
-for flag in ("--model-path", "--host", "--dtype", "--load-format", "--dist-init-addr"):
+for flag in ("--model-path", "--host", "--dtype", "--load-format", "--dist-init-addr", "--served-model-name",
+             "--hicache-write-policy", "--hicache-mem-layout", "--hicache-io-backend", "--hicache-storage-backend",
+             "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config"):
     ap.add_argument(flag, required=flag in ("--model-path", "--host"))
 for flag in ("--port", "--tp-size", "--dp-size", "--ep-size", "--max-running-requests", "--random-seed",
-             "--context-length", "--nnodes", "--node-rank", "--base-gpu-id"):
+             "--context-length", "--nnodes", "--node-rank", "--base-gpu-id", "--page-size", "--hicache-size"):
     ap.add_argument(flag, type=int)
 ap.add_argument("--mem-fraction-static", type=float)
+ap.add_argument("--hicache-ratio", type=float)
 ap.add_argument("--api-key")
+ap.add_argument("--admin-api-key")
 for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-metrics", "--skip-server-warmup",
              "--disable-cuda-graph", "--enable-hierarchical-cache"):
     ap.add_argument(flag, action="store_true")
@@ -33,7 +37,11 @@ if os.environ.get("FAKE_SGLANG_FAIL"):
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 state = {"version": "default", "released": set(), "paused": False, "running": {}, "waiting": {}, "aborted": 0,
          "calls": [], "loaded": [], "argv": sys.argv[1:], "child_pid": child.pid, "started": time.time(),
-         "mode": "ok", "generated": [], "pid": os.getpid()}
+         "mode": "ok", "generated": [], "pid": os.getpid(),
+         # the L3 store: its tag, and every tag a load ran under (None: detached)
+         "l3_tag": (json.loads(args.hicache_storage_backend_extra_config or "{}").get("extra_backend_tag")
+                    if args.hicache_storage_backend else None),
+         "tags_at_load": [], "mooncake_local_hostname": os.environ.get("MOONCAKE_LOCAL_HOSTNAME")}
 slots = asyncio.Semaphore(args.max_running_requests or 1)  # beyond it, requests wait in the queue
 
 
@@ -207,6 +215,7 @@ async def update_from_disk(request):
                   "embed_sum": float(t.float().sum()), "architectures": config.get("architectures"),
                   "path": path, "version": body.get("weight_version"), "load_format": load_format}
     state["loaded"].append(loaded)
+    state["tags_at_load"].append(state["l3_tag"])
     if body.get("weight_version") is not None:
         state["version"] = body["weight_version"]
     save()
@@ -218,6 +227,49 @@ async def update_from_disk(request):
     return update_reply(True, "Succeeded to update model weights.", 200)
 
 
+def admin_key_missing():
+    # sglang/srt/entrypoints/http_server.py (_admin_api_key_missing_response)
+    return web.json_response({"error": "This endpoint requires admin API key, but this server was started "
+                                       "without one (admin-api-key). Restart with --admin-api-key to enable."},
+                             status=400)
+
+
+async def attach_storage(request):
+    # sglang/srt/entrypoints/http_server.py (attach_hicache_storage_backend): an admin key, then
+    # sglang/srt/managers/scheduler.py (attach_hicache_storage_wrapped): HiCache on, an idle
+    # scheduler, and the same backend only once (unified_cache/storage_attachment.py); plain text
+    body = await request.json()
+    call("attach_hicache_storage", body)
+    if not args.admin_api_key:
+        return admin_key_missing()
+    failed = "Failed to attach HiCache storage backend.\n"
+    if not args.enable_hierarchical_cache:
+        return web.Response(text=failed + "Hierarchical cache is not enabled.\n", status=400)
+    if not idle():
+        return web.Response(text=failed + f"Reject attach: scheduler is not idle. #queue-req={len(state['waiting'])} "
+                                          f"#running-req={len(state['running'])}\n", status=400)
+    if state["l3_tag"] is not None:  # the tag stays that of the backend already attached
+        return web.Response(text="HiCache storage backend attached.\nHiCache storage backend already enabled "
+                                 "with same backend; policies updated.\n", status=200)
+    state["l3_tag"] = json.loads(body.get("hicache_storage_backend_extra_config_json") or "{}").get("extra_backend_tag")
+    save()
+    return web.Response(text="HiCache storage backend attached.\nAttached HiCache storage backend successfully.\n")
+
+
+async def detach_storage(request):
+    # sglang/srt/entrypoints/http_server.py (detach_hicache_storage_backend), scheduler.py
+    # (detach_hicache_storage_wrapped): idempotent, 200 also when nothing is attached
+    call("detach_hicache_storage", None)
+    if not args.admin_api_key:
+        return admin_key_missing()
+    if not idle():
+        return web.Response(text="Failed to detach HiCache storage backend.\nReject detach: scheduler is not "
+                                 "idle.\n", status=400)
+    state["l3_tag"] = None
+    save()
+    return web.Response(text="HiCache storage backend detached.\nDetached HiCache storage backend successfully.\n")
+
+
 async def fake_mode(request):  # test control: how update_weights_from_disk misbehaves
     state["mode"] = (await request.json())["mode"]
     return web.Response(status=200)
@@ -225,8 +277,10 @@ async def fake_mode(request):  # test control: how update_weights_from_disk misb
 
 @web.middleware
 async def api_key(request, handler):  # SGLang's own rule: /health and /metrics open, else Bearer <key>
-    if (args.api_key and not request.path.startswith(("/health", "/metrics"))
-            and request.headers.get("Authorization") != "Bearer " + args.api_key):
+    # sglang/srt/utils/auth.py: an admin route takes the admin key when there is one, else the API key
+    key = args.admin_api_key if request.path.startswith("/hicache/") and args.admin_api_key else args.api_key
+    if (key and not request.path.startswith(("/health", "/metrics"))
+            and request.headers.get("Authorization") != "Bearer " + key):
         return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
 
@@ -252,6 +306,8 @@ app.router.add_get("/metrics", metrics)
 app.router.add_get("/model_info", model_info)
 app.router.add_post("/generate", generate)
 app.router.add_route("*", "/flush_cache", flush_cache)
+app.router.add_put("/hicache/storage-backend", attach_storage)
+app.router.add_delete("/hicache/storage-backend", detach_storage)
 for path, fn in (("/abort_request", abort_request), ("/pause_generation", pause), ("/continue_generation", cont),
                  ("/release_memory_occupation", release), ("/resume_memory_occupation", resume),
                  ("/update_weights_from_disk", update_from_disk), ("/fake/mode", fake_mode)):

@@ -25,7 +25,8 @@ SLOW_FILES = {
     "workloads/test_taskset_pkgbugs.py", "workloads/test_taskset_pyfix.py", "workloads/test_grader_tests.py",
     "workloads/test_harness.py", "controller/test_executions.py", "controller/test_preflight.py",
     # benchmarks that start engines, proxies under load, or transfers between processes
-    "bench/test_bench_transfer_switch.py", "bench/test_bench_proxy_load.py",
+    "bench/test_bench_transfer_switch.py", "bench/test_bench_proxy_load.py", "bench/test_bench_kv_reuse.py",
+    "cellrunner/test_sglang_hicache.py",
     # long searches and whole simulations
     "controller/test_scheduler_properties.py", "controller/test_bounds.py", "controller/test_loggers.py",
     "base/test_lifecycle.py", "trajectory/test_main_process.py",

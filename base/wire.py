@@ -507,6 +507,23 @@ class SessionEntry(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class VersionSpan(Message):
+    """Output positions [start, end) of one call sampled under one weight version (SGLang's
+    ``meta_info.weight_versions`` entry): a call can outlive a weight update, or be cut by a
+    cell's drain and continue on another cell."""
+
+    TAG: ClassVar[str] = "version_span"
+    version: int
+    start: int
+    end: int
+
+    def check(self) -> None:
+        _non_negative(version=self.version, start=self.start)
+        if self.end <= self.start:
+            raise ValueError(f"end: want > start ({self.start}), got {self.end}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CallRecord(Message):
     """One model call, token-in/token-out, exactly as the engine saw and produced it."""
 
@@ -541,6 +558,9 @@ class CallRecord(Message):
     and whether a harness-specific hint (a header, a summary marker) did."""
     session: SessionEntry | None = None
     """What the proxy's sessions remembered of the call (None for a call that produced nothing)."""
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+    """The weight version of every output token, as spans covering the output in order, the first
+    at ``weight_version``; [] = every token at ``weight_version``."""
 
     def check(self) -> None:
         if len(self.lineage_reason) > 64:
@@ -564,6 +584,14 @@ class CallRecord(Message):
         for lp in self.output_logprobs:
             if not (lp <= 0.0 and math.isfinite(lp)):
                 raise ValueError(f"output_logprobs: want finite values <= 0, got {lp!r}")
+        if self.weight_versions:
+            spans = self.weight_versions
+            if spans[0].start != 0 or spans[-1].end != len(self.output_ids) or any(
+                a.end != b.start for a, b in zip(spans, spans[1:])
+            ):
+                raise ValueError("weight_versions: want spans covering the output in order")
+            if spans[0].version != self.weight_version:
+                raise ValueError("weight_versions: the first span's version is not weight_version")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -795,7 +823,7 @@ MESSAGES: dict[str, type[Message]] = {
         SendGrads, ApplyStep, Shutdown, EngineRoute, RoutingTable, SealExecution, Grade,
         ShardReady, GroupDone, CallRecord, ExecutionFacts, ExecutionSealed, PullWeights, TensorSpec,
         WeightsHeader, GradsHeader, WeightsOffer, CheckSlot, SlotChecked, RecordsAck, Delivered,
-        SessionMessage, SessionEntry, SessionReplayRequest, SessionReplayEnd,
+        SessionMessage, SessionEntry, SessionReplayRequest, SessionReplayEnd, VersionSpan,
     )
 }
 

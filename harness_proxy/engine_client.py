@@ -5,7 +5,9 @@ while none is serving, as cells switch), posts the prompt ids, and validates the
 (``parse_generate_response``). On a dead, unavailable or draining engine, or one that served
 weights older than the execution's token accepts, the same prompt ids go to another engine from
 the (re-read) routing table, with a growing pause, up to ``proxy.retry_attempts`` engines; then a
-503 ``ApiError``. An engine's 400 is the harness's to see, not retried. A call cancelled at an
+503 ``ApiError``. A call a draining cell cut mid-decode goes on elsewhere from its prompt and the
+tokens it had (``continued``): the harness gets one answer, and the record keeps each token's
+behaviour log-prob and weight version as the cell that sampled it gave them. An engine's 400 is the harness's to see, not retried. A call cancelled at an
 engine (a harness hung up, its execution was sealed) or not answered in time is aborted there
 (``/abort_request``) in the background.
 
@@ -50,7 +52,35 @@ class EngineResult:
     output_logprobs: list[float]
     weight_version: int
     finish: str
-    """stop | length | abort (abort: the cell is draining; never recorded)."""
+    """stop | length | abort (abort: the cell is draining; what it had generated is carried on)."""
+    weight_versions: tuple[tuple[int, int, int], ...] = ()
+    """(version, start, end) spans over the output positions; () = all at ``weight_version``."""
+
+    def spans(self) -> list[wire.VersionSpan]:
+        """Every output token's version as wire spans ([] for no output)."""
+        if not self.output_ids:
+            return []
+        spans = self.weight_versions or ((self.weight_version, 0, len(self.output_ids)),)
+        return [wire.VersionSpan(version=v, start=s, end=e) for v, s, e in spans]
+
+
+def continued(carried: EngineResult | None, result: EngineResult) -> EngineResult:
+    """``result``, the rest of a call that ``carried`` began on another cell before its drain cut it:
+    their outputs, log-probs and version spans joined, the record's version the first token's."""
+    if carried is None or not carried.output_ids:
+        return result
+    offset = len(carried.output_ids)
+    spans = [*carried.spans(), *(wire.VersionSpan(version=s.version, start=s.start + offset, end=s.end + offset)
+                                 for s in result.spans())]
+    merged: list[tuple[int, int, int]] = []
+    for s in spans:  # one span per run of one version
+        if merged and merged[-1][0] == s.version:
+            merged[-1] = (s.version, merged[-1][1], s.end)
+        else:
+            merged.append((s.version, s.start, s.end))
+    return EngineResult(result.route, carried.output_ids + result.output_ids,
+                        carried.output_logprobs + result.output_logprobs, carried.weight_version, result.finish,
+                        tuple(merged))
 
 
 class EngineCall(Protocol):
@@ -79,8 +109,16 @@ def parse_generate_response(data: Any, route: wire.EngineRoute) -> EngineResult:
     finish = fr.get("type") if isinstance(fr, dict) else fr
     if finish not in ("stop", "length", "abort"):
         raise EngineUnavailable(f"meta_info.finish_reason: want stop|length|abort, got {fr!r}")
-    if finish == "abort":
-        return EngineResult(route, [], [], 0, "abort")
+    if finish == "abort":  # a drain cut it: what it generated, if the answer says so validly, goes on
+        try:
+            partial = _parse_output(data, meta, route, "abort")
+        except EngineUnavailable:
+            return EngineResult(route, [], [], 0, "abort")
+        return partial if partial.output_ids else EngineResult(route, [], [], 0, "abort")
+    return _parse_output(data, meta, route, finish)
+
+
+def _parse_output(data: dict[str, Any], meta: dict[str, Any], route: wire.EngineRoute, finish: str) -> EngineResult:
     ids = data.get("output_ids")
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
         raise EngineUnavailable("output_ids: want a list of token ids")
@@ -104,7 +142,28 @@ def parse_generate_response(data: Any, route: wire.EngineRoute) -> EngineResult:
         raise EngineUnavailable(f"meta_info.weight_version: want an integer, got {version!r}") from None
     if weight_version < 0 or isinstance(version, (bool, float)):
         raise EngineUnavailable(f"meta_info.weight_version: want an integer >= 0, got {version!r}")
-    return EngineResult(route, ids, logprobs, weight_version, finish)
+    return EngineResult(route, ids, logprobs, weight_version, finish,
+                        _version_spans(meta.get("weight_versions"), len(ids), weight_version))
+
+
+def _version_spans(spans: Any, num_output: int, weight_version: int) -> tuple[tuple[int, int, int], ...]:
+    """SGLang 0.5.23's ``meta_info.weight_versions`` ([{version, start, end}], versions as strings)
+    as checked spans covering the output; () when the engine sent none or all at one version."""
+    if spans is None or not num_output:
+        return ()
+    out: list[tuple[int, int, int]] = []
+    try:
+        for s in spans:
+            version, start, end = int(s["version"]), s["start"], s["end"]
+            if type(start) is not int or type(end) is not int or version < 0 or end <= start:
+                raise ValueError
+            out.append((version, start, end))
+    except (TypeError, KeyError, ValueError):
+        raise EngineUnavailable(f"meta_info.weight_versions: want [{{version, start, end}}], got {spans!r:.80}") from None
+    if (not out or out[0][1] != 0 or out[-1][2] != num_output or out[0][0] != weight_version
+            or any(a[2] != b[1] for a, b in zip(out, out[1:]))):
+        raise EngineUnavailable("meta_info.weight_versions: want spans covering the output, the first at weight_version")
+    return () if len(out) == 1 else tuple(out)
 
 
 class EngineClient:
@@ -139,6 +198,7 @@ class EngineClient:
         tried: list[str] = []
         last = "no serving engine in the routing table"
         attempts = max(1, self.cfg.retry_attempts)
+        carried: EngineResult | None = None  # what cells cut by their drain had generated so far
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), RETRY_BACKOFF_MAX_S))
@@ -148,17 +208,25 @@ class EngineClient:
             tried.append(route.url)
             try:
                 with self.router.track(route.url):
-                    result = await self._engine_generate(route, call)
+                    result = await self._engine_generate(route, call, carried)
             except EngineUnavailable as exc:
                 last = f"cell {route.cell_id} ({route.url}): {exc}"
                 self.router.failed(route.url)  # its other sessions move on without a failed try each
             else:
                 self.router.succeeded(route.url)
                 floor = self._min_version(call.execution_id)
-                if result.finish != "abort" and result.weight_version >= floor:
-                    return result
+                whole = continued(carried, result)
+                if result.finish != "abort" and whole.weight_version >= floor:
+                    return whole
                 if result.finish == "abort":
                     last = f"cell {route.cell_id} ({route.url}) aborted the request (draining)"
+                    if result.output_ids and whole.weight_version >= floor:
+                        # The next cell goes on from the prompt and these tokens (its prefix's KV
+                        # from the run's shared tier), each token keeping its own log-prob and version.
+                        carried = whole
+                        if len(carried.output_ids) >= call.sampling_params["max_new_tokens"]:
+                            return EngineResult(whole.route, whole.output_ids, whole.output_logprobs,
+                                                whole.weight_version, "length", whole.weight_versions)
                 else:  # the table listed it too new: never hand the harness (or training) a too-stale call
                     last = f"cell {route.cell_id} ({route.url}) served weight v{result.weight_version} < v{floor}"
             log.warning(
@@ -187,12 +255,15 @@ class EngineClient:
                 version = self.router.table.version
                 tried.clear()  # a new table: engines that failed before may be serving again
 
-    async def _engine_generate(self, route: wire.EngineRoute, call: EngineCall) -> EngineResult:
+    async def _engine_generate(self, route: wire.EngineRoute, call: EngineCall,
+                               carried: EngineResult | None = None) -> EngineResult:
+        """One attempt; with ``carried``, the call's continuation after the tokens it holds."""
         assert self._http is not None, "start() first"
-        payload = {
-            "input_ids": call.prompt_ids, "sampling_params": call.sampling_params,
-            "return_logprob": True, "rid": call.call_id,
-        }
+        input_ids, sampling = call.prompt_ids, call.sampling_params
+        if carried is not None and carried.output_ids:
+            input_ids = call.prompt_ids + carried.output_ids
+            sampling = {**sampling, "max_new_tokens": sampling["max_new_tokens"] - len(carried.output_ids)}
+        payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": call.call_id}
         try:
             # orjson: a 100k-id prompt is most of the proxy's time when json.dumps encodes it.
             body = orjson.dumps(payload)

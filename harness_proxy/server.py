@@ -565,6 +565,7 @@ class ProxyServer:
             top_p=float(call.sampling_params["top_p"]), top_k=int(call.sampling_params["top_k"]),
             harness_temperature=float(call.asked[0]), harness_top_p=float(call.asked[1]),
             lineage_reason=call.lineage_reason, session=session,
+            weight_versions=result.spans() if result.weight_versions else [],
         )
         record.check()
         exe.num_calls += 1

@@ -20,7 +20,7 @@ SLOW_FILES = {
     "cellrunner/test_hf_checkpoint.py", "cellrunner/test_checkpoint.py",
     # real harness binaries, the proxy restarted under them
     "harness_proxy/test_claude_code.py", "harness_proxy/test_qwen_code.py", "harness_proxy/test_mini_swe_agent.py",
-    "harness_proxy/test_proxy_restart.py", "harness_proxy/test_main.py",
+    "harness_proxy/test_proxy_restart.py", "harness_proxy/test_main.py", "harness_proxy/test_engine_client.py",
     # sandboxes and graders running real test suites
     "workloads/test_taskset_pkgbugs.py", "workloads/test_taskset_pyfix.py", "workloads/test_grader_tests.py",
     "workloads/test_harness.py", "controller/test_executions.py", "controller/test_preflight.py",

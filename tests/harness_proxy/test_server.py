@@ -358,7 +358,7 @@ def test_max_tokens_is_capped_and_eval_sampling_is_passed_through(proxy):
 # ---------------------------------------------------------------- routing and retries
 
 
-@pytest.mark.parametrize("failure", [Step(status=503), Step(finish="abort"), Step(status=500)])
+@pytest.mark.parametrize("failure", [Step(status=503), Step(output_ids=[], finish="abort"), Step(status=500)])
 def test_a_failing_engine_is_retried_on_another_and_recorded_once(proxy, failure):
     proxy.engines[0].script.append(failure)
     r = proxy.client("ex-retry").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
@@ -367,6 +367,33 @@ def test_a_failing_engine_is_retried_on_another_and_recorded_once(proxy, failure
     assert len(e0) == 1 and len(e1) == 1 and e0[0]["input_ids"] == e1[0]["input_ids"]
     (rec,) = records(proxy.recv_all())
     assert rec.cell_id == 1 and rec.call_id == r.id and rec.call_index == 0
+
+
+def test_a_call_cut_mid_decode_goes_on_elsewhere_keeping_each_tokens_logprob_and_version(proxy):
+    """A draining cell answers `abort` with what it had generated: the next cell continues from the
+    prompt and those tokens, and the harness gets one answer; the record keeps the first cell's
+    tokens with their log-probs and version, then the second's."""
+    part = text_ids("hel")
+    proxy.engines[0].script.append(Step(output_ids=part, finish="abort"))
+    proxy.engines[1].weight_version = 4  # the next cell serves a newer version
+    proxy.set_routes(proxy.engines)
+    try:
+        r = proxy.client("ex-cut").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                           max_tokens=20)
+    finally:
+        proxy.engines[1].weight_version = 3
+        proxy.set_routes(proxy.engines)
+    assert r.choices[0].message.content == "helok"
+    (first,), (second,) = proxy.engines[0].requests, proxy.engines[1].requests
+    assert second["input_ids"] == first["input_ids"] + part
+    assert second["sampling_params"]["max_new_tokens"] == first["sampling_params"]["max_new_tokens"] - len(part)
+    (rec,) = records(proxy.recv_all())
+    rest = text_ids("ok") + [TOK.im_end]
+    assert rec.output_ids == part + rest and rec.prompt_ids == first["input_ids"]
+    lp = [-0.25 - (i % 3) * 0.5 for i in range(len(part))] + [-0.25 - (i % 3) * 0.5 for i in range(len(rest))]
+    assert rec.output_logprobs == pytest.approx(lp)
+    assert rec.weight_version == 3 and [(s.version, s.start, s.end) for s in rec.weight_versions] == [
+        (3, 0, len(part)), (4, len(part), len(part) + len(rest))]
 
 
 def test_a_dead_engine_is_retried_on_another(proxy):

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from cellrunner import engine_batch, prefix_cache
@@ -256,3 +258,25 @@ def test_a_group_started_at_once_computes_its_shared_prompt_once(engines, refere
     unshared = engines(share_prefill=False)  # the engine before: every newcomer computes the prompt
     assert [r["output_ids"] for r in _one_admission(unshared, prompts)] == [r["output_ids"] for r in replies]
     assert unshared.num_prefill_tokens() == 8 * 308
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=12),
+       st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 6))
+def test_the_radix_index_finds_what_a_scan_of_every_entry_finds(sequences, prompt, capacity) -> None:
+    """Inserts (with entries dropped as prefixes of newer ones, and evicted past the byte bound)
+    leave an index whose longest match equals the longest common prefix over the entries held."""
+    from cellrunner.prefix_cache import common_prefix
+
+    entry_bytes = sum(k.nbytes + v.nbytes for k, v in kv_of([0]))  # bytes per token of kv_of
+    cache = PrefixCache(max_bytes=capacity * 12 * entry_bytes, min_tokens=1)
+    for seq in sequences:
+        cache.insert(seq, kv_of(seq))
+    ids = np.asarray(prompt, dtype=np.int64)
+    want = max((common_prefix(ids, tokens) for tokens, _ in cache.entries()), default=0)
+    n, kv = cache.match(prompt)
+    assert n == want
+    if n:  # the KV returned is that of the prompt's first n tokens
+        assert kv[0][0][0, :, 0].tolist() == [float(t) for t in prompt[:n]]
+    held = [tuple(t.tolist()) for t, _ in cache.entries()]
+    assert not any(a != b and b[: len(a)] == a for a in held for b in held)  # no entry a prefix of another

@@ -117,6 +117,7 @@ bench: venv litellm
 	$(BIN)/python -m bench.soak
 	$(BIN)/python -m bench.transfer
 	$(BIN)/python -m bench.switch
+	$(BIN)/python -m bench.kv_reuse
 	$(BIN)/python -m bench.elastic --runs-dir runs/bench-elastic
 	$(BIN)/python -m bench.elastic --workload drift --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-drift
 	$(BIN)/python -m bench.simulate --drift --fit runs/bench-elastic/result.json --calibrate runs/bench-elastic-drift/result.json

@@ -105,7 +105,7 @@ test: system-packages venv claude-code mini-swe-agent qwen-code
 test-fast: venv
 	$(BIN)/python -m pytest tests -q -m "not e2e and not slow" -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
-bench: venv litellm
+bench: venv litellm claude-code
 	$(BIN)/python -m bench.learnability --vocab-bench
 	$(BIN)/python -m bench.learnability
 	$(BIN)/python -m bench.trajectory_cap

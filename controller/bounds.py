@@ -72,17 +72,24 @@ def _work(trace: Trace, runs: RunSource) -> tuple[float, float, float]:
     (every run's ``min(launch + segments, timeout)`` over ``capacity_per_cell``), serving cells'
     calls (their model time over ``capacity_per_cell``: a cell serves that many at full speed),
     and training (every microstep)."""
+    steps = _work_by_step(trace, runs)
+    return sum(s[0] for s in steps), sum(s[1] for s in steps), sum(s[2] for s in steps)
+
+
+def _work_by_step(trace: Trace, runs: RunSource) -> list[tuple[float, float, float]]:
+    """``_work`` of each step: (serving slots, calls, training) in cell-seconds."""
     wl, cc = trace.workload, trace.cells
-    held = calls = 0.0
+    out = []
     for step in range(wl.steps):
+        held = calls = 0.0
         for g in range(wl.groups_per_step):
             for i in range(wl.group_size):
                 segs = runs(f"s{step}-g{g}-e{i}", step)
                 held += min(wl.launch_s + sum(segs), wl.timeout_s)
                 calls += sum(segs[0::2])
-    training = sum(wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
-                   for step in range(wl.steps))
-    return held / cc.capacity_per_cell, calls / cc.capacity_per_cell, training
+        training = wl.groups_per_step * trace.microsteps_of_step(step) * trace.microstep_s_of_step(step)
+        out.append((held / cc.capacity_per_cell, calls / cc.capacity_per_cell, training))
+    return out
 
 
 def _group_arrivals(graded: list[float], microsteps: int, release: Release) -> list[tuple[float, int]]:
@@ -114,23 +121,26 @@ def _train_end(arrivals: list[tuple[float, int]], previous: float, cells: int, s
 def throughput_what_if(trace: Trace, runs: RunSource) -> dict[str, float | int]:
     """Elastic over the best fixed split if every policy ran at its throughput: a what-if for step
     semantics in which no step waits for its slowest run (partial rollouts, a preempted tail), for
-    every policy alike. Only the work binds then. Any policy needs the cells' time for every run's
-    slot and every microstep (``serving_bound``), and the compute slots for every microstep and each
-    serving cell's calls (``capacity_per_cell`` of them at full speed, as the simulator runs them).
-    A fixed split of ``k`` training cells also needs ``k`` cells (at most ``compute_slots``) for
-    all the microsteps, and the other ``N - k`` for all the slots. ``ratio`` is the best split's time
-    over any policy's. Where the balance of serving and training holds through the run, it is near 1.
+    every policy alike. Only the work binds then, step by step: staleness keeps one step's spare
+    capacity from doing another step's work, so each step's time is its own work's, summed over
+    the steps. In a step, any policy needs the cells' time for every run's slot and every microstep
+    (``serving_bound``), and the compute slots for every microstep and each serving cell's calls
+    (``capacity_per_cell`` of them at full speed, as the simulator runs them). A fixed split of
+    ``k`` training cells also needs ``k`` cells (at most ``compute_slots``) for the step's
+    microsteps, and the other ``N - k`` for its slots. ``ratio`` is the best split's time over any
+    policy's. Where the balance of serving and training holds through the run, it is near 1.
 
     Not a bound on what elastic measures: under today's semantics a fixed split held back by the
     step chain can trail its throughput further than elastic does.
 
     Returns ``any_policy_s``, ``best_split_s``, ``best_split_cells`` and ``ratio``."""
     cc = trace.cells
-    held, calls, training = _work(trace, runs)
-    compute = (calls + training) / cc.compute_slots
-    any_policy = max((held + training) / cc.num_cells, compute)
-    splits = {k: max(training / min(k, cc.compute_slots), held / (cc.num_cells - k), compute)
-              for k in range(1, cc.num_cells)}
+    any_policy, splits = 0.0, dict.fromkeys(range(1, cc.num_cells), 0.0)
+    for held, calls, training in _work_by_step(trace, runs):
+        compute = (calls + training) / cc.compute_slots
+        any_policy += max((held + training) / cc.num_cells, compute)
+        for k in splits:
+            splits[k] += max(training / min(k, cc.compute_slots), held / (cc.num_cells - k), compute)
     best = min(splits, key=splits.get)
     return {"any_policy_s": any_policy, "best_split_s": splits[best], "best_split_cells": best,
             "ratio": splits[best] / any_policy}

@@ -280,10 +280,13 @@ def _satellite_switches(view: SchedulerView, cfg: SchedulerConfig, n: int, core:
 
 
 def _async_trainers(cells: list[CellView], cfg: SchedulerConfig) -> set[int]:
-    """The fixed training pool: the core and the next ``train_cells - 1`` cells by id."""
+    """The fixed training pool among the live ``cells``: the core and the next ``train_cells - 1``
+    by id, but never every cell while two or more live: once a cell dies, a split that left none
+    serving would stall the run for good (no rollouts, so nothing more to train)."""
     core = [c for c in cells if c.is_core]
     others = sorted((c for c in cells if not c.is_core), key=lambda c: c.cell_id)
-    return {c.cell_id for c in (core + others)[: cfg.train_cells]}
+    trainers = min(cfg.train_cells, max(1, len(cells) - 1))
+    return {c.cell_id for c in (core + others)[:trainers]}
 
 
 def _fixed_pools(cells: list[CellView], cfg: SchedulerConfig) -> list[Switch]:

@@ -62,7 +62,7 @@ def test_compute_slots_bound_the_cells_training_at_once():
     assert makespan_bound(shared, pool_source(shared, 0)) == pytest.approx(3.75 + 6 + 0.5)
 
 
-NAMES = ["p2_4t", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b", "terminalbench_122b"]
+NAMES = ["p2_4t", "p2_4t_drift", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b", "terminalbench_122b"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -136,3 +136,21 @@ def test_throughput_what_if_by_hand():
     shared = tiny(cells=dataclasses.replace(four, microstep_s=3.0, compute_slots=1))
     r = throughput_what_if(shared, pool_source(shared, 0))
     assert r["any_policy_s"] == pytest.approx(5.0) and r["ratio"] == pytest.approx(1.0)
+
+
+def test_throughput_what_if_is_summed_step_by_step_where_the_balance_moves():
+    """Step 0 mostly serves (two 20.5 s runs), step 1 mostly trains: a fixed split cannot lend step
+    1's idle serving cells to step 0's runs (staleness orders the steps), so each step pays its own
+    bottleneck. Whole-run sums (14.33 s for one training cell) would hide that."""
+    four = dataclasses.replace(tiny().cells, num_cells=4, capacity_per_cell=1, compute_slots=4, microstep_s=4.0)
+    trace = tiny(cells=four, workload=dataclasses.replace(tiny().workload, steps=2))
+
+    def runs(_execution_id: str, step: int) -> tuple[float, ...]:
+        return (1.0, 19.0) if step == 0 else (0.5, 0.0)
+
+    r = throughput_what_if(trace, runs)
+    # any policy: step 0 max((41 + 4) / 4, (2 + 4) / 4) = 11.25, step 1 max((2 + 4) / 4, (1 + 4) / 4) = 1.5
+    assert r["any_policy_s"] == pytest.approx(12.75)
+    # one training cell: step 0 max(4, 41 / 3) = 13.67, step 1 max(4, 2 / 3) = 4
+    assert r["best_split_cells"] == 1 and r["best_split_s"] == pytest.approx(41 / 3 + 4)
+    assert r["ratio"] == pytest.approx((41 / 3 + 4) / 12.75)

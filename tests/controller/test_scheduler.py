@@ -180,6 +180,17 @@ def test_async_and_colocate():
     assert len(decide(view(cells, demand=2, done=True), cfg("colocate"))) == 4
 
 
+def test_a_fixed_split_that_lost_its_serving_cell_turns_a_trainer_to_serving():
+    """3 of 4 cells train; the serving cell dies: the survivors must not all train (no rollouts
+    would ever come), so the last of them by id serves."""
+    cells = [cell(0, "train", core=True), cell(1, "train"), cell(2, "train"), cell(3, phase="dead")]
+    assert moves(decide(view(cells, running=4, demand=0), cfg("async", train_cells=3))) == {(2, "serve")}
+    switched = [*cells[:2], cell(2), cells[3]]  # once it serves, runs start on its slots
+    assert launch_room(view(switched, queued=20, running=0), cfg("async", train_cells=3)) == 4
+    alone = [cell(0, "train", core=True), cell(1, phase="dead")]  # the core alone: it keeps its step
+    assert decide(view(alone, running=0, demand=1), cfg("async", train_cells=1)) == []
+
+
 def test_async_starts_runs_only_on_its_serving_pool():
     # At the start every cell serves, but the core and cell 1 are async's training pool and leave:
     # runs started on their slots would have none. Only cells 2 and 3 count (2 x 4 slots, 3 used).

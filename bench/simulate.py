@@ -2,6 +2,12 @@
 
     .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
                                        [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
+    .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S]
+
+``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
+of ``bench/traces``), alone: every policy, every fixed split and both colocates, the bound and the
+stall-free bound, in hours, and elastic's ratios against them, as one JSON object last
+(``trace_summary``). ``--staleness`` replaces the trace's staleness bound for every policy.
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -112,54 +118,93 @@ def table(trace_dir: Path, *, quick: bool, seed: int) -> list[dict[str, Any]]:
         trace = load_trace(path)
         if quick:
             trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, steps=QUICK_STEPS))
-        res = {k: simulate(trace, k, seed=seed) for k in POLICIES}
-        e = res["elastic"].makespan_s
-        bound = makespan_bound(trace, pool_source(trace, seed))
-        served = serving_bound(trace, pool_source(trace, seed))
-        # elastic never leaves a running execution without a slot, so both bounds hold for it
-        elastic_bound = max(bound, served)
-        fluid = throughput_what_if(trace, pool_source(trace, seed))
-        # The trace's async split is the reference's; every other split is run too, so the
-        # comparison against the best fixed pools is in the table beside it.
-        splits: dict[str, float] = {}  # training cells (a JSON key) -> async h / elastic h
-        for k in range(1, trace.cells.num_cells):
-            shape = dataclasses.replace(trace.workload, async_train_cells=k)
-            splits[str(k)] = (res["async"] if k == trace.workload.async_train_cells
-                         else simulate(dataclasses.replace(trace, workload=shape), "async", seed=seed)).makespan_s / e
-        sync = simulate(dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=0)),
-                        "colocate", seed=seed)
-        rows.append({
-            "trace": trace.name, "description": trace.description, "steps": trace.workload.steps,
-            "nodes": trace.cells.num_cells * trace.cells.nodes_per_cell, "cells": trace.cells.num_cells,
-            "hours": {k: r.makespan_h for k, r in res.items()},
-            "vs_async": res["async"].makespan_s / e, "vs_colocate": res["colocate"].makespan_s / e,
-            "bound_h": bound / 3600.0, "ceiling_vs_async": res["async"].makespan_s / bound,
-            "ceiling_vs_colocate": res["colocate"].makespan_s / bound,
-            "served_bound_h": served / 3600.0,
-            "elastic_ceiling_vs_async": res["async"].makespan_s / elastic_bound,
-            "elastic_ceiling_vs_colocate": res["colocate"].makespan_s / elastic_bound,
-            "cut_call_share": {k: r.cut_call_s / r.call_s if r.call_s else 0.0 for k, r in res.items()},
-            "overcommit_h": {k: r.overcommit_s / 3600.0 for k, r in res.items()},
-            "async_train_cells": trace.workload.async_train_cells, "vs_async_splits": splits,
-            "vs_best_async": min(splits.values()),
-            # colocate as a synchronous user runs it (staleness 0: no run waits out a training
-            # phase), and the better of the two colocates
-            "colocate_sync_h": sync.makespan_h, "vs_colocate_sync": sync.makespan_s / e,
-            "vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / e,
-            "vs_bound": e / elastic_bound,
-            # the most any policy could gain over the best split and the better colocate here
-            "ceiling_vs_best_async": min(splits.values()) * e / bound,
-            "ceiling_vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / bound,
-            # a what-if, not a bound: elastic over the best split if every policy ran at its
-            # throughput (no step waiting for its slowest run); the balance of the work decides it
-            "throughput_vs_best_async": fluid["ratio"],
-            "throughput_best_split_cells": fluid["best_split_cells"],
-            "timed_out_share": {k: r.num_timed_out / max(1, r.num_executions) for k, r in res.items()},
-            "switches": {k: sum(r.switches) for k, r in res.items()},
-            "max_staleness": {k: r.max_staleness for k, r in res.items()},
-            "reference_h": trace.reference_h,
-        })
+        rows.append(trace_row(trace, seed=seed))
     return rows
+
+
+def trace_row(trace: Trace, *, seed: int) -> dict[str, Any]:
+    """One trace through every policy, every fixed split and both colocates, with its bounds."""
+    res = {k: simulate(trace, k, seed=seed) for k in POLICIES}
+    e = res["elastic"].makespan_s
+    bound = makespan_bound(trace, pool_source(trace, seed))
+    served = serving_bound(trace, pool_source(trace, seed))
+    # elastic never leaves a running execution without a slot, so both bounds hold for it
+    elastic_bound = max(bound, served)
+    fluid = throughput_what_if(trace, pool_source(trace, seed))
+    # The trace's async split is the reference's; every other split is run too, so the
+    # comparison against the best fixed pools is in the table beside it.
+    splits: dict[str, float] = {}  # training cells (a JSON key) -> async h / elastic h
+    for k in range(1, trace.cells.num_cells):
+        shape = dataclasses.replace(trace.workload, async_train_cells=k)
+        splits[str(k)] = (res["async"] if k == trace.workload.async_train_cells
+                     else simulate(dataclasses.replace(trace, workload=shape), "async", seed=seed)).makespan_s / e
+    sync = simulate(dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=0)),
+                    "colocate", seed=seed)
+    return {
+        "trace": trace.name, "description": trace.description, "steps": trace.workload.steps,
+        "nodes": trace.cells.num_cells * trace.cells.nodes_per_cell, "cells": trace.cells.num_cells,
+        "hours": {k: r.makespan_h for k, r in res.items()},
+        "vs_async": res["async"].makespan_s / e, "vs_colocate": res["colocate"].makespan_s / e,
+        "bound_h": bound / 3600.0, "ceiling_vs_async": res["async"].makespan_s / bound,
+        "ceiling_vs_colocate": res["colocate"].makespan_s / bound,
+        "served_bound_h": served / 3600.0,
+        "elastic_ceiling_vs_async": res["async"].makespan_s / elastic_bound,
+        "elastic_ceiling_vs_colocate": res["colocate"].makespan_s / elastic_bound,
+        "cut_call_share": {k: r.cut_call_s / r.call_s if r.call_s else 0.0 for k, r in res.items()},
+        "overcommit_h": {k: r.overcommit_s / 3600.0 for k, r in res.items()},
+        "async_train_cells": trace.workload.async_train_cells, "vs_async_splits": splits,
+        "vs_best_async": min(splits.values()),
+        # colocate as a synchronous user runs it (staleness 0: no run waits out a training
+        # phase), and the better of the two colocates
+        "colocate_sync_h": sync.makespan_h, "vs_colocate_sync": sync.makespan_s / e,
+        "vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / e,
+        "vs_bound": e / elastic_bound,
+        # the most any policy could gain over the best split and the better colocate here
+        "ceiling_vs_best_async": min(splits.values()) * e / bound,
+        "ceiling_vs_best_colocate": min(res["colocate"].makespan_s, sync.makespan_s) / bound,
+        # a what-if, not a bound: elastic over the best split if every policy ran at its
+        # throughput (no step waiting for its slowest run); the balance of the work decides it
+        "throughput_vs_best_async": fluid["ratio"],
+        "throughput_best_split_cells": fluid["best_split_cells"],
+        "timed_out_share": {k: r.num_timed_out / max(1, r.num_executions) for k, r in res.items()},
+        "switches": {k: sum(r.switches) for k, r in res.items()},
+        "max_staleness": {k: r.max_staleness for k, r in res.items()},
+        "reference_h": trace.reference_h,
+        "async_split_h": {k: v * res["elastic"].makespan_h for k, v in splits.items()},
+    }
+
+
+def trace_summary(trace: Trace, *, seed: int) -> dict[str, Any]:
+    """``trace_row`` as the figures a user compares: hours per policy and split, both bounds, the
+    ratios of elastic against the best split in hindsight, the better colocate and the bound."""
+    row = trace_row(trace, seed=seed)
+    print_table([row])
+    hours = {"elastic": row["hours"]["elastic"], "colocate": row["hours"]["colocate"],
+             "colocate_sync": row["colocate_sync_h"],
+             **{f"async_{k}": h for k, h in row["async_split_h"].items()}}
+    best_split = min(row["async_split_h"], key=row["async_split_h"].get)
+    return {
+        "trace": trace.name, "steps": trace.workload.steps, "staleness": trace.workload.staleness,
+        "cells": trace.cells.num_cells, "hours": hours,
+        "bound_h": row["bound_h"], "stall_free_bound_h": row["served_bound_h"],
+        "best_split_cells": int(best_split),
+        "elastic_vs_best_async": row["vs_best_async"], "elastic_vs_colocate": row["vs_best_colocate"],
+        "elastic_vs_bound": row["vs_bound"],
+        "throughput_vs_best_async": row["throughput_vs_best_async"],
+        "timed_out_share": row["timed_out_share"], "max_staleness": row["max_staleness"],
+    }
+
+
+def _load_user_trace(ap: argparse.ArgumentParser, path: Path, staleness: int | None) -> Trace:
+    try:
+        trace = load_trace(path)
+    except (OSError, TraceError) as exc:
+        ap.error(f"--trace {path}: {exc}")
+    if staleness is not None:
+        if staleness < 0:
+            ap.error(f"--staleness: want >= 0, got {staleness}")
+        trace = dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=staleness))
+    return trace
 
 
 def by_staleness(trace_dir: Path, row: dict[str, Any], *, quick: bool, seed: int,
@@ -473,7 +518,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fit", type=Path, default=None,
                     help="the bench.elastic result file whose costs predict --calibrate's (default: its own, in sample)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", type=Path, default=None, help="simulate this one trace file (any workload)")
+    ap.add_argument("--staleness", type=int, default=None, help="with --trace: its staleness bound instead")
     args = ap.parse_args(argv)
+    if args.trace is not None:
+        out = trace_summary(_load_user_trace(ap, args.trace, args.staleness), seed=args.seed)
+        print(json.dumps(out, sort_keys=True), flush=True)
+        return out
+    if args.staleness is not None:
+        ap.error("--staleness goes with --trace")
     if args.drift:
         args.calibrate = args.calibrate or DRIFT_RESULT
         args.fit = args.fit or FIT_RESULT

@@ -13,6 +13,8 @@ import pytest
 
 from bench import elastic, simulate
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def last_json(capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], object], argv: list[str]) -> dict:
     main(argv)
@@ -128,3 +130,22 @@ def test_scale_stretches_the_pace_and_the_harness_times_together():
         assert float(out[key]) == 2.0 * float(base[key])
     assert {k: v for k, v in out.items() if k not in elastic.SCALED_KEYS} == {
         k: v for k, v in base.items() if k not in elastic.SCALED_KEYS}
+
+
+def test_simulate_any_trace_file_a_user_brings(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """--trace: one file, every policy and split, both bounds, in hours; --staleness overrides it."""
+    trace = json.loads((ROOT / "bench" / "traces" / "p2_4t.json").read_text())
+    trace["workload"]["steps"] = 4
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(trace))
+    out = last_json(capsys, simulate.main, ["--trace", str(path), "--staleness", "2"])
+    assert (out["steps"], out["staleness"], out["cells"]) == (4, 2, 4)
+    assert set(out["hours"]) == {"elastic", "colocate", "colocate_sync", "async_1", "async_2", "async_3"}
+    best = min(out["hours"][f"async_{k}"] for k in (1, 2, 3))
+    assert out["elastic_vs_best_async"] == pytest.approx(best / out["hours"]["elastic"])
+    assert out["hours"]["elastic"] >= max(out["bound_h"], out["stall_free_bound_h"]) - 1e-9
+    assert out["elastic_vs_bound"] >= 1.0 and out["max_staleness"]["elastic"] <= 2
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        simulate.main(["--trace", str(tmp_path / "bad.json")])
+    assert "--trace" in capsys.readouterr().err

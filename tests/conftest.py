@@ -70,3 +70,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rel = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
         if rel in SLOW_FILES or rel.startswith(("slurm/", "e2e/")):
             item.add_marker(pytest.mark.slow)
+    # The longest first (the Slurm folder, whole runs, then other slow files), so that xdist's
+    # workers do not end on one long file while the others idle; the order within a file stays.
+    items.sort(key=lambda item: _weight(Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()))
+
+
+def _weight(rel: str) -> int:
+    if rel.startswith("slurm/"):
+        return 0
+    if rel.startswith("e2e/"):
+        return 1
+    return 2 if rel in SLOW_FILES else 3

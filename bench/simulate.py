@@ -7,7 +7,9 @@
 ``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
 of ``bench/traces``), alone: every policy, every fixed split and both colocates, the bound and the
 stall-free bound, in hours, and elastic's ratios against them, as one JSON object last
-(``trace_summary``). ``--staleness`` replaces the trace's staleness bound for every policy.
+(``trace_summary``), with each phase's best fixed split at every policy's throughput
+(``controller.bounds.phase_balance``). ``--staleness`` replaces the trace's staleness bound for
+every policy.
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -90,7 +92,7 @@ from typing import Any
 
 import yaml
 
-from controller.bounds import makespan_bound, serving_bound, throughput_what_if
+from controller.bounds import makespan_bound, phase_balance, serving_bound, throughput_what_if
 from controller.simulator import Release, RunSource, SimResult, pool_source, simulate
 from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace
 from base.typed_config import build
@@ -192,6 +194,8 @@ def trace_summary(trace: Trace, *, seed: int) -> dict[str, Any]:
         "elastic_vs_bound": row["vs_bound"],
         "throughput_vs_best_async": row["throughput_vs_best_async"],
         "timed_out_share": row["timed_out_share"], "max_staleness": row["max_staleness"],
+        # per phase: the split that would suit it best at every policy's throughput
+        "phases": phase_balance(trace, pool_source(trace, seed)),
     }
 
 

@@ -67,6 +67,30 @@ def serving_bound(trace: Trace, runs: RunSource) -> float:
     return (held + training) / trace.cells.num_cells
 
 
+def phase_balance(trace: Trace, runs: RunSource) -> list[dict[str, float | int | str]]:
+    """Each phase of the trace at every policy's throughput (``throughput_what_if``'s terms, step by
+    step): the fixed split that suits the phase best (``ideal_training_cells``, with the fractional
+    split that would balance its serving and training work exactly) and that split's time over any
+    policy's (``what_if``). Where the ideal split differs between phases, no fixed split suits the run."""
+    cc, wl = trace.cells, trace.workload
+    work = _work_by_step(trace, runs)
+    out: list[dict[str, float | int | str]] = []
+    for i, phase in enumerate(trace.phases):
+        end = trace.phases[i + 1].first_step if i + 1 < len(trace.phases) else wl.steps
+        steps = work[phase.first_step:end]
+        if not steps:
+            continue
+        any_policy = sum(max((h + t) / cc.num_cells, (c + t) / cc.compute_slots) for h, c, t in steps)
+        split = {k: sum(max(t / min(k, cc.compute_slots), h / (cc.num_cells - k), (c + t) / cc.compute_slots)
+                        for h, c, t in steps) for k in range(1, cc.num_cells)}
+        best = min(split, key=split.get)
+        held, training = sum(s[0] for s in steps), sum(s[2] for s in steps)
+        out.append({"phase": phase.name, "first_step": phase.first_step, "steps": len(steps),
+                    "ideal_training_cells": best, "balanced_training_cells": cc.num_cells * training / (held + training),
+                    "what_if": split[best] / any_policy})
+    return out
+
+
 def _work(trace: Trace, runs: RunSource) -> tuple[float, float, float]:
     """Cell-seconds of the trace's work, as the two throughput views count it: serving slots
     (every run's ``min(launch + segments, timeout)`` over ``capacity_per_cell``), serving cells'

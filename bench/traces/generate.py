@@ -17,6 +17,12 @@ a measurement of that system, whose own traces are not public):
   serving slots bind (``controller.bounds.serving_bound``).
 - ``terminalbench_122b``: the 122B model on 24 nodes = 3 cells x 8; TerminalBench-like runs are
   short and tool-heavy (more think time than model time).
+- ``p2_4t_moving``, ``nl2repo_122b_moving``: the 2.4T-like and NL2Repo-like setups with a balance
+  that moves: tool-heavy task families (long wall time, many runs near the timeout, one shard a
+  group) and token-heavy ones (shorter runs, ten shards a group) alternate in blocks of six steps,
+  so the split that suits a step swings between one and three training cells of four
+  (``controller.bounds.phase_balance``). ``p2_4t_curriculum``: the same two families as a
+  monotone curriculum, from tool-heavy to token-heavy in six stages.
 
 A run's length is drawn from a mixture: with probability ``near_timeout`` it is uniform in
 ``[0.85, 1.3] x timeout`` (a run that would go past the timeout is cut there by the simulator),
@@ -113,6 +119,50 @@ def drift_phases(*, steps: int, phases: int = DRIFT_PHASES, growth: float = DRIF
     return tuple(out)
 
 
+MOVING_BLOCK = 6
+"""Steps a block of one task family lasts in the moving-balance traces."""
+
+
+def tool_heavy(*, median_s: float) -> RunShape:
+    """Tool-heavy tasks: long wall time, mostly think (tool) time, many runs near the timeout, few
+    tokens to train (one shard a group): a step's cells are wanted for serving."""
+    return RunShape(median_s=median_s, sigma=0.6, near_timeout=0.45, call_share=0.25, turns=12)
+
+
+def token_heavy(*, median_s: float) -> RunShape:
+    """Token-heavy tasks: shorter runs, mostly model time, few at the timeout, many tokens to train
+    (ten shards a group): a step's cells are wanted for training."""
+    return RunShape(median_s=median_s, sigma=0.4, near_timeout=0.02, call_share=0.8, turns=6)
+
+
+def moving_phases(*, steps: int, tool_median_s: float, token_median_s: float, block: int = MOVING_BLOCK,
+                  ) -> tuple[PhaseShape, ...]:
+    """Task families alternating in blocks of ``block`` steps, tool-heavy first: the serving and
+    training shares of a step swing between the two."""
+    return tuple(
+        PhaseShape(name=f"{'tools' if i % 2 == 0 else 'tokens'}{i // 2}", first_step=first,
+                   microsteps_per_group=1 if i % 2 == 0 else 10,
+                   runs=tool_heavy(median_s=tool_median_s) if i % 2 == 0 else token_heavy(median_s=token_median_s))
+        for i, first in enumerate(range(0, steps, block))
+    )
+
+
+def curriculum_phases(*, steps: int, tool_median_s: float, token_median_s: float, stages: int = 6,
+                      ) -> tuple[PhaseShape, ...]:
+    """A monotone curriculum from tool-heavy to token-heavy tasks in ``stages`` stretches: runs get
+    shorter and carry more tokens to train, stage by stage."""
+    out = []
+    for i in range(stages):
+        f = i / (stages - 1)
+        out.append(PhaseShape(
+            name=f"stage{i}", first_step=i * steps // stages, microsteps_per_group=max(1, round(1 + 9 * f)),
+            runs=RunShape(median_s=tool_median_s * (1 - f) + token_median_s * f, sigma=0.6 - 0.2 * f,
+                          near_timeout=0.45 * (1 - f) + 0.02 * f, call_share=0.25 + 0.55 * f,
+                          turns=round(12 - 6 * f)),
+        ))
+    return tuple(out)
+
+
 SPECS: tuple[Spec, ...] = (
     Spec(
         name="p2_4t",
@@ -129,6 +179,31 @@ SPECS: tuple[Spec, ...] = (
                     "timeout), the task mix turns tool-heavy halfway",
         cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD, phases=drift_phases(steps=P2_4T_WORKLOAD.steps),
         runs_per_phase=RUNS_PER_PHASE // DRIFT_PHASES * 2,  # a phase's 6 steps draw 768 runs from its 96
+    ),
+    Spec(
+        name="p2_4t_moving",
+        description=f"2.4T-like with a moving balance: tool-heavy and token-heavy task families alternate in "
+                    f"blocks of {MOVING_BLOCK} steps (1 vs 10 shards a group; 1.5 h vs 0.35 h median runs, "
+                    "45% vs 2% near the timeout)",
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
+        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
+        runs_per_phase=RUNS_PER_PHASE // 2,
+    ),
+    Spec(
+        name="p2_4t_curriculum",
+        description="2.4T-like with a monotone curriculum: from tool-heavy tasks (1.5 h median, 1 shard a group) "
+                    "to token-heavy ones (0.35 h, 10 shards) in six stages",
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
+        phases=curriculum_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
+        runs_per_phase=RUNS_PER_PHASE // 2,
+    ),
+    Spec(
+        name="nl2repo_122b_moving",
+        description=f"122B-like with a moving balance: 4 cells x 8 nodes, tool-heavy and token-heavy task "
+                    f"families alternate in blocks of {MOVING_BLOCK} steps (1 vs 10 shards a group)",
+        cells=NL2REPO_CELLS, workload=NL2REPO_WORKLOAD,
+        phases=moving_phases(steps=NL2REPO_WORKLOAD.steps, tool_median_s=70 * MIN, token_median_s=15 * MIN),
+        runs_per_phase=RUNS_PER_PHASE // 2,
     ),
     Spec(
         name="nl2repo_122b",

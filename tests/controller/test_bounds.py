@@ -154,3 +154,17 @@ def test_throughput_what_if_is_summed_step_by_step_where_the_balance_moves():
     # one training cell: step 0 max(4, 41 / 3) = 13.67, step 1 max(4, 2 / 3) = 4
     assert r["best_split_cells"] == 1 and r["best_split_s"] == pytest.approx(41 / 3 + 4)
     assert r["ratio"] == pytest.approx((41 / 3 + 4) / 12.75)
+
+
+def test_the_moving_traces_want_another_split_in_each_phase():
+    """Tool-heavy blocks suit one training cell of four, token-heavy ones three; the stationary
+    2.4T-like trace one split throughout."""
+    from controller.bounds import phase_balance
+
+    moving = load_trace(TRACES / "p2_4t_moving.json")
+    phases = phase_balance(moving, pool_source(moving, 0))
+    assert [p["ideal_training_cells"] for p in phases] == [1, 3] * 4
+    assert all(p["balanced_training_cells"] < 1.5 for p in phases[0::2])
+    assert all(p["balanced_training_cells"] > 3.5 for p in phases[1::2])
+    stationary = load_trace(TRACES / "p2_4t.json")
+    assert len({p["ideal_training_cells"] for p in phase_balance(stationary, pool_source(stationary, 0))}) == 1

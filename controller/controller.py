@@ -113,7 +113,7 @@ class Controller(RunStages):
 
     def start(self) -> None:
         c, svc = self.cfg, self.services
-        proxy = svc.start(f"tcp://{self.host}:0", c.proxy.port)
+        proxy = svc.start(f"tcp://{self.host}:0", c.proxy.port, host=self.host)
         self.executions = ExecutionManager(
             workload=c.workload, taskset=self.parts.taskset, harness=self.parts.harness, sandbox=self.parts.sandbox,
             work_dir=svc.attempt_dir("work"), proxy=proxy,

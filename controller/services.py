@@ -129,11 +129,11 @@ class RunServices:
 
     # ================================================================ start and stop
 
-    def start(self, records_addr: str, proxy_port: int) -> ProxyEndpoint:
+    def start(self, records_addr: str, proxy_port: int, *, host: str = "127.0.0.1") -> ProxyEndpoint:
         """The shared KV tier if the engine config asks for one, the processor (its records socket
         on ``records_addr``), then the proxy on ``proxy_port`` (0: any), which sends there; return
-        where harnesses reach the proxy."""
-        self.start_kv_tier()
+        where harnesses reach the proxy. ``host``: the controller's address, where the store listens."""
+        self.start_kv_tier(host)
         self.records_addr = self.start_processor(records_addr)
         proxy_ready = self.start_proxy(proxy_port)
         self.proxy_url = proxy_ready["url"]
@@ -167,7 +167,7 @@ class RunServices:
              "--heartbeat-s", str(c.cluster.heartbeat_interval_s)],
         )
 
-    def start_kv_tier(self) -> None:
+    def start_kv_tier(self, host: str) -> None:
         """``engine.kv_tier.enabled``: a Mooncake Store for this attempt's engines on the controller's
         host (its KV is of this attempt's weights; a new attempt starts an empty one)."""
         tier = getattr(self.cfg.engine, "kv_tier", None)
@@ -175,7 +175,7 @@ class RunServices:
             return
         from cellrunner.kv_tier import MooncakeMaster  # the wheel's binaries, only when asked for
 
-        self.kv_master = MooncakeMaster(segment_bytes=tier.segment_bytes, host=self.cfg.cluster.host)
+        self.kv_master = MooncakeMaster(segment_bytes=tier.segment_bytes, host=host)
         log.info("kv tier: Mooncake Store at %s, %d MiB", self.kv_master.master_address, tier.segment_bytes >> 20)
 
     @property

@@ -120,7 +120,8 @@ PROMPT_INSIDE = Path("/run/gyre/prompt.md")
 class Sandbox(Protocol):
     kind: str
     shows_fixed_paths: bool
-    """Whether it can show a path at another place inside (``SandboxSpec.workspace_inside`` ...)."""
+    """Whether harness runs see the fixed paths (``WORKSPACE_INSIDE`` ...: ``sandbox.fixed_paths``
+    where the kind can show a path at another place inside, ``SandboxSpec.workspace_inside``)."""
 
     def wrap(self, spec: SandboxSpec) -> list[str]:
         """The argv that runs ``spec.argv`` confined (Popen it with ``env=spec.env`` or the env the

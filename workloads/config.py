@@ -296,6 +296,10 @@ class SandboxConfig:
     """``apptainer``: the image (.sif or a sandbox folder); '' for the host's system as the image."""
     ro_paths: tuple[str, ...]
     """Extra read-only paths every sandboxed process sees (a shared task environment)."""
+    fixed_paths: bool
+    """Show every harness run its workspace at ``/workspace``, its home at ``/home/agent`` and its
+    task at ``/run/gyre/prompt.md`` (``bwrap``, ``apptainer``), so a group's prompts, which name
+    them, are the same and share their KV; false: each run sees its host paths (``none`` always)."""
     limits: LimitsConfig
     """Each harness run's."""
     grader_limits: LimitsConfig

@@ -2,8 +2,9 @@
 
     /usr/bin/python3 -I hostile_harness.py        (harness=command, inside the run's sandbox)
 
-Standard library only, no Gyre imports. From ``$GYRE_WORKSPACE`` (``<run>/work/<id>/workspace``) it
-derives its execution folder, the run's ``work/`` folder and the run folder, and it tries to:
+Standard library only, no Gyre imports. From ``$GYRE_HOSTILE_RUN_DIR`` (the run folder on the node:
+the sandbox shows the workspace at ``/workspace``) and its token's execution id it derives its
+execution folder and the run's ``work/`` folder, and it tries to:
 
 - write a canary file (``CANARY-<token>-<id>``) outside its workspace: its execution folder, the
   run's ``work/`` folder, the run folder, the project folder, ``/etc`` and the node's ``/tmp``
@@ -26,11 +27,12 @@ Exit 0 when the task was done, 2 when the proxy call failed.
 
 Environment from the test (``harness.env``): GYRE_HOSTILE_TOKEN, GYRE_HOSTILE_PROJECT,
 GYRE_HOSTILE_SLEEPER_PID, GYRE_HOSTILE_SLEEPER_MARK, GYRE_HOSTILE_PORT, GYRE_HOSTILE_ABSTRACT,
-GYRE_HOSTILE_TMP_MARKER.
+GYRE_HOSTILE_TMP_MARKER, GYRE_HOSTILE_RUN_DIR.
 """
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,10 +43,12 @@ import urllib.request
 ENV = os.environ
 TOKEN = ENV["GYRE_HOSTILE_TOKEN"]
 WORKSPACE = ENV["GYRE_WORKSPACE"]
-EXEC_DIR = os.path.dirname(WORKSPACE)
-MY_ID = os.path.basename(EXEC_DIR)
-WORK_DIR = os.path.dirname(EXEC_DIR)
-RUN_DIR = os.path.dirname(WORK_DIR)
+# The sandbox shows the workspace at /workspace, so the test names the run folder on the node (as an
+# agent could guess it); the execution's own id is in its token.
+RUN_DIR = ENV["GYRE_HOSTILE_RUN_DIR"]
+WORK_DIR = os.path.join(RUN_DIR, "work")
+MY_ID = ENV["OPENAI_API_KEY"].split(".")[1]
+EXEC_DIR = os.path.join(WORK_DIR, MY_ID)
 PROJECT = ENV["GYRE_HOSTILE_PROJECT"]
 CANARY = f"CANARY-{TOKEN}-{MY_ID}"
 PLANTED = f"PLANTED-{TOKEN}"
@@ -91,7 +95,8 @@ def read_file(path: str) -> bool:
 
 
 def others_in(listing: list[str]) -> list[str]:
-    return [name for name in listing if name != MY_ID]
+    """The other executions' folders in a listing (``../..`` of /workspace is the sandbox's root)."""
+    return [name for name in listing if name != MY_ID and re.fullmatch(r"s\d+-g\d+-e\d+|eval-\w+-\d+-e\d+", name)]
 
 
 def ancestors() -> set[int]:

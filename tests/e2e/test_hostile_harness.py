@@ -113,11 +113,13 @@ def test_hostile_harness_stays_in_its_sandbox():
         "GYRE_HOSTILE_TOKEN": token, "GYRE_HOSTILE_PROJECT": str(ROOT), "GYRE_HOSTILE_SLEEPER_PID": str(sleeper.pid),
         "GYRE_HOSTILE_SLEEPER_MARK": mark, "GYRE_HOSTILE_PORT": str(tcp.getsockname()[1]),
         "GYRE_HOSTILE_ABSTRACT": abstract_name, "GYRE_HOSTILE_TMP_MARKER": str(tmp_marker),
+        "GYRE_HOSTILE_RUN_DIR": str(runs / "hostile"),
     }
     env_overrides = [f"+harness.env.{k}='{v}'" for k, v in env.items()]  # quoted: a port stays a string
     try:
         run_dir, _ = run_gyre_with(
-            runs, lambda run_dir, done, report: None, f"run.steps={STEPS}", "sandbox=bwrap", "harness=command",
+            runs, lambda run_dir, done, report: None, f"run.steps={STEPS}", "run.run_id=hostile", "sandbox=bwrap",
+            "harness=command",
             f"harness.argv=[/usr/bin/python3,-I,'{HOSTILE}']", f"harness.ro_paths=['{HOSTILE}']", *env_overrides,
             timeout_s=240,
         )

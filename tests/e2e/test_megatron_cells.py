@@ -39,6 +39,7 @@ def cell_log(run_dir: Path, cell: int) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # two runs of four two-rank megatron cells: over 300 s beside other test workers
 def test_two_rank_cells_train_checkpoint_and_resume(tmp_path):
     runs = tmp_path / "runs"
     # colocate: every cell turns to training every step (under elastic, whether a satellite trains

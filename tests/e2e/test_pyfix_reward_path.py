@@ -90,6 +90,7 @@ def script_for(workspace: Path, module: str, fix: tuple[str, str], broken: tuple
     """The main agent's steps: look, read, fix (and break), delegate, re-run, answer."""
     path = str(workspace / module)
     script = CodingScript(workspace)
+    script.sub_task = f"Create {workspace / 'NOTES.md'} containing the line: {NOTE}"  # how its sub-agent is known
     edits = [fix] + ([broken] if broken else [])
     script.main_steps = [
         "<think>\nFirst see which tests the repository ships with, and run them.\n</think>\n\n"
@@ -99,7 +100,7 @@ def script_for(workspace: Path, module: str, fix: tuple[str, str], broken: tuple
         *("I will change this line." + tool_call("Edit", {"file_path": path, "old_string": old, "new_string": new})
           for old, new in edits),
         tool_call("Agent", {"description": "Write NOTES.md", "subagent_type": "general-purpose",
-                            "prompt": f"Create {workspace / 'NOTES.md'} containing the line: {NOTE}",
+                            "prompt": script.sub_task,
                             "run_in_background": False}),
         tool_call("Bash", {"command": VISIBLE_TESTS, "description": "Run the visible tests again"}),
         f"Done: {module} is fixed and NOTES.md records why.",
@@ -165,7 +166,8 @@ def test_hidden_tests_reward_a_real_fix_and_punish_a_broken_neighbour(tmp_path, 
         pytest.skip(why)
     cfg = conf(WorkloadConfig, "workload/pyfix.yaml", task_file=str(tasks_file), data_dir=str(tasks_file.parent.parent),
                timeout_s=RUN_DEADLINE_S, grader_timeout_s=60.0)
-    sandbox = BwrapSandbox(conf(SandboxConfig, "sandbox/bwrap.yaml"))
+    # host paths: the scripted engine tells the two executions apart by the workspace their prompts name
+    sandbox = BwrapSandbox(conf(SandboxConfig, "sandbox/bwrap.yaml", fixed_paths=False))
     taskset = SweTaskSet(cfg, sandbox)
     task, (module, removed, added) = next((t, fix) for t in load_tasks(tasks_file) if (fix := one_line_fix(t)))
     assert task.instance_id == "pyfix__textstats-1"  # the generator is deterministic: the first such task

@@ -103,6 +103,7 @@ class ApptainerSandbox:
         """
         if not cfg.image:
             raise SandboxUnavailable(f"sandbox=apptainer: {apptainer_problem(cfg.binary, cfg.image)}")
+        self.shows_fixed_paths = cfg.fixed_paths
         self.binary = find_apptainer(cfg.binary) or cfg.binary or "apptainer"
         self.image = cfg.image
         self.ro_paths = tuple(Path(p) for p in cfg.ro_paths)

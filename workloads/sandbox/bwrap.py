@@ -89,6 +89,7 @@ class BwrapSandbox:
     shows_fixed_paths = True
 
     def __init__(self, cfg: SandboxConfig) -> None:
+        self.shows_fixed_paths = cfg.fixed_paths
         self.binary = find_bwrap(cfg.binary) or cfg.binary or "bwrap"
         self.ro_paths = tuple(Path(p) for p in cfg.ro_paths)
 

@@ -140,7 +140,8 @@ def test_same_seed_same_run_and_seeds_draw_differently():
 
 def test_our_trace_files_load_and_round_trip():
     names = sorted(p.stem for p in TRACES.glob("*.json"))
-    assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_timeout_122b", "p2_4t", "p2_4t_drift", "terminalbench_122b"]
+    assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_122b_moving", "nl2repo_timeout_122b", "p2_4t",
+                     "p2_4t_curriculum", "p2_4t_drift", "p2_4t_moving", "terminalbench_122b"]
     for path in TRACES.glob("*.json"):
         trace = load_trace(path)
         assert parse_trace(json.loads(json.dumps(trace_to_json(trace)))) == trace

@@ -187,7 +187,7 @@ SPECS: tuple[Spec, ...] = (
                     "45% vs 2% near the timeout)",
         cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
         phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
-        runs_per_phase=RUNS_PER_PHASE // 2,
+        runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
     ),
     Spec(
         name="p2_4t_curriculum",
@@ -195,7 +195,7 @@ SPECS: tuple[Spec, ...] = (
                     "to token-heavy ones (0.35 h, 10 shards) in six stages",
         cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
         phases=curriculum_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
-        runs_per_phase=RUNS_PER_PHASE // 2,
+        runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
     ),
     Spec(
         name="nl2repo_122b_moving",
@@ -203,7 +203,7 @@ SPECS: tuple[Spec, ...] = (
                     f"families alternate in blocks of {MOVING_BLOCK} steps (1 vs 10 shards a group)",
         cells=NL2REPO_CELLS, workload=NL2REPO_WORKLOAD,
         phases=moving_phases(steps=NL2REPO_WORKLOAD.steps, tool_median_s=70 * MIN, token_median_s=15 * MIN),
-        runs_per_phase=RUNS_PER_PHASE // 2,
+        runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
     ),
     Spec(
         name="nl2repo_122b",

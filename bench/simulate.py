@@ -3,13 +3,16 @@
     .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
                                        [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
     .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S]
+    .venv/bin/python -m bench.simulate --moving
 
 ``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
 of ``bench/traces``), alone: every policy, every fixed split and both colocates, the bound and the
 stall-free bound, in hours, and elastic's ratios against them, as one JSON object last
 (``trace_summary``), with each phase's best fixed split at every policy's throughput
 (``controller.bounds.phase_balance``). ``--staleness`` replaces the trace's staleness bound for
-every policy.
+every policy. ``--moving``: the shipped moving-balance 2.4T-like trace (``p2_4t_moving``) at
+staleness 1 and 2, with ``moving_vs_best_async``, ``moving_st2_vs_best_async``,
+``moving_vs_colocate`` and ``moving_vs_bound`` (over the larger of the two bounds) last.
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -196,6 +199,21 @@ def trace_summary(trace: Trace, *, seed: int) -> dict[str, Any]:
         "timed_out_share": row["timed_out_share"], "max_staleness": row["max_staleness"],
         # per phase: the split that would suit it best at every policy's throughput
         "phases": phase_balance(trace, pool_source(trace, seed)),
+    }
+
+
+def moving_summary(path: Path, *, seed: int) -> dict[str, Any]:
+    """The moving-balance trace at staleness 1 and 2: elastic against the best split in hindsight,
+    the better colocate and the larger bound, side by side from one run of each."""
+    base = load_trace(path)
+    at = {s: trace_summary(dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=s)),
+                           seed=seed) for s in (1, 2)}
+    return {
+        "trace": base.name, "moving_vs_best_async": at[1]["elastic_vs_best_async"],
+        "moving_st2_vs_best_async": at[2]["elastic_vs_best_async"],
+        "moving_vs_colocate": at[1]["elastic_vs_colocate"], "moving_vs_bound": at[1]["elastic_vs_bound"],
+        "moving_st2_vs_colocate": at[2]["elastic_vs_colocate"], "moving_st2_vs_bound": at[2]["elastic_vs_bound"],
+        "by_staleness": {str(s): summary for s, summary in at.items()},
     }
 
 
@@ -524,7 +542,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, default=None, help="simulate this one trace file (any workload)")
     ap.add_argument("--staleness", type=int, default=None, help="with --trace: its staleness bound instead")
+    ap.add_argument("--moving", action="store_true", help="the moving-balance 2.4T-like trace at staleness 1 and 2")
     args = ap.parse_args(argv)
+    if args.moving:
+        out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed)
+        print(json.dumps(out, sort_keys=True), flush=True)
+        return out
     if args.trace is not None:
         out = trace_summary(_load_user_trace(ap, args.trace, args.staleness), seed=args.seed)
         print(json.dumps(out, sort_keys=True), flush=True)

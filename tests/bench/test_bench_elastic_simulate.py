@@ -150,3 +150,12 @@ def test_simulate_any_trace_file_a_user_brings(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit):
         simulate.main(["--trace", str(tmp_path / "bad.json")])
     assert "--trace" in capsys.readouterr().err
+
+
+def test_simulate_moving_prints_the_moving_balance_keys(capsys: pytest.CaptureFixture[str]):
+    out = last_json(capsys, simulate.main, ["--moving"])
+    for key in ("moving_vs_best_async", "moving_st2_vs_best_async", "moving_vs_colocate", "moving_vs_bound"):
+        assert finite(out[key]) and out[key] > 0, key
+    st1 = out["by_staleness"]["1"]
+    assert out["moving_vs_best_async"] == st1["elastic_vs_best_async"] and st1["staleness"] == 1
+    assert [p["ideal_training_cells"] for p in st1["phases"]] == [1, 3] * 4  # the balance moves

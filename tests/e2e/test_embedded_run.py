@@ -71,7 +71,7 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
             line = " ".join(cmd)
             if secret in line or engine_key in line or token.search(line):  # /proc/<pid>/cmdline is every local user's to read
                 report["secret_on_argv"] = line  # the bundled harness: `python3 -I .../workloads/harness.py`, in its sandbox
-            if "workloads/harness.py" in line and str(run_dir) in line and "-g" in line and "bwrap" not in cmd[0]:
+            if len(cmd) > 2 and cmd[2].endswith("workloads/harness.py") and is_of_run(p, run_dir):
                 try:
                     p.send_signal(signal.SIGKILL)
                     report["killed_harness"] = " ".join(cmd)
@@ -79,6 +79,15 @@ def inject_faults(run_dir: Path, done: threading.Event, report: dict) -> None:
                 except psutil.NoSuchProcess:
                     continue
         time.sleep(0.02)
+
+
+def is_of_run(proc: psutil.Process, run_dir: Path) -> bool:
+    """Whether ``proc`` was started by this run: inside the sandbox the harness sees fixed paths
+    (/workspace), so only the ``bwrap`` above it names the run's folder in its bind mounts."""
+    try:
+        return any(str(run_dir) in " ".join(parent.cmdline()) for parent in proc.parents())
+    except psutil.Error:
+        return False
 
 
 @pytest.mark.e2e

@@ -18,7 +18,8 @@ from typing import Any
 from bench.prefix_cache import generate, tool_results
 from cellrunner.config import ModelConfig
 from cellrunner.engine import EmbeddedEngine
-from cellrunner.kv_tier import KVTier, MooncakeMaster
+from cellrunner.kv_tier import KVTier
+from cellrunner.mooncake_store import MooncakeMaster
 
 SIZES = {"20k": 20_000, "100k": 100_000}
 SEGMENT_BYTES = 1 << 30  # 100k ids of the tiny model are 51 MB of KV; room for both sessions and more

@@ -1,11 +1,7 @@
 """A KV tier shared between engine processes, on Mooncake Store over TCP (no etcd, no RDMA needed).
 
-`MooncakeMaster` starts the store: a ``mooncake_master`` (object index, eviction) and a
-``mooncake_client`` that holds the memory the pages live in. Both come from the
-``mooncake-transfer-engine-non-cuda`` wheel. Peers find each other by P2P handshake, so no metadata
-server runs. The memory is held in its own process because Mooncake keeps an object in the
-segment of the client that allocated it: pages stored in an engine's own segment would vanish
-when that engine stops, and cells stop their engines every time they switch to training.
+The store itself (a ``mooncake_master`` and a memory holder) is started by
+`cellrunner.mooncake_store.MooncakeMaster`, the same one SGLang's HiCache uses.
 
 `KVTier` is one engine's client. A sequence's KV is cut into pages of `page_tokens` tokens.
 Page i is stored under a key made of the namespace, the weight version, the page size and the
@@ -22,42 +18,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import math
-import shutil
 import socket
 import struct
-import subprocess
-import tempfile
 import time
-import urllib.error
-import urllib.request
-import weakref
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from cellrunner.errors import BackendUnavailable
+from cellrunner.mooncake_store import INSTALL_HINT, METADATA_SERVER, KVTierUnavailable
 from cellrunner.prefix_cache import KV
 
 log = logging.getLogger(__name__)
 
 
 DEFAULT_PAGE_TOKENS = 256
-DEFAULT_SEGMENT_BYTES = 512 << 20
-"""Memory the store holds for pages. Small by default: this is a 24 GiB machine."""
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
 """A client's transfer buffer. Mooncake stages every value through it, so it bounds the page size
 (a 256-token page of Qwen3-8B in bf16 is 38 MiB). Allocated once per client."""
-METADATA_SERVER = "P2PHANDSHAKE"
-"""Peers exchange transfer metadata in a handshake: no etcd and no HTTP metadata server."""
-INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1"
-START_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 """A store client's setup retries an absent master for about 90 s; a TCP probe first fails in this."""
 UNREACHABLE_BACKOFF_S = 30.0
@@ -70,135 +51,8 @@ _MAX_HEADER_BYTES = 1 << 16
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class KVTierUnavailable(BackendUnavailable):
-    """Mooncake Store cannot run or be reached here. The message says what to install or where the log is."""
-
-
 class CorruptPage(ValueError):
     """A stored value is not a page this key may hold (torn, truncated, foreign or garbage)."""
-
-
-# ---------------------------------------------------------------- the store's processes
-
-
-def mooncake_binary(name: str) -> Path:
-    """The ELF binary `name` shipped inside the ``mooncake`` package, else one on PATH."""
-    spec = importlib.util.find_spec("mooncake")  # finds the package without loading store.so
-    if spec is not None and spec.origin is not None:
-        shipped = Path(spec.origin).parent / name
-        if shipped.is_file():
-            return shipped
-    on_path = shutil.which(name)
-    if on_path is None:
-        raise KVTierUnavailable(f"kv tier: {name} not found; {INSTALL_HINT}")
-    return Path(on_path)
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now. Another process could take it before ours binds; startup then fails in words."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def _http_get(url: str) -> str | None:
-    """The body of a GET that answers 200, else None (not up yet, or refused)."""
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return response.read().decode() if response.status == 200 else None
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def _stop_processes(processes: list[subprocess.Popen[bytes]], log_dir: tempfile.TemporaryDirectory[str]) -> None:
-    """Stop the store's processes, newest first (the memory holder before its master), then drop their logs."""
-    for process in reversed(processes):
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    log_dir.cleanup()
-
-
-class MooncakeMaster:
-    """A Mooncake Store on loopback: the master and, if `segment_bytes` > 0, a process holding that much memory.
-
-    Clients in any process connect with `master_address` and `metadata_server` (plain strings).
-    `close()` stops both processes; a finalizer does it at exit if the owner never calls it.
-    """
-
-    def __init__(self, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES, host: str = "127.0.0.1",
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
-        if segment_bytes < 0:
-            raise ValueError(f"kv tier: want segment_bytes >= 0, got {segment_bytes}")
-        self.host = host
-        self.metadata_server = METADATA_SERVER
-        self._deadline = time.monotonic() + start_timeout_s
-        self._admin_url = ""  # the master's HTTP admin server: /health, /get_all_segments
-        self._log_dir = tempfile.TemporaryDirectory(prefix="gyre-mooncake-")
-        self._processes: list[subprocess.Popen[bytes]] = []
-        self._stop = weakref.finalize(self, _stop_processes, self._processes, self._log_dir)
-        try:
-            self.master_address = self._start_master()
-            if segment_bytes:
-                self._start_memory_holder(segment_bytes)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self._stop()
-
-    def __enter__(self) -> MooncakeMaster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _start_master(self) -> str:
-        rpc_port, admin_port = free_port(self.host), free_port(self.host)
-        self._admin_url = f"http://{self.host}:{admin_port}"
-        self._spawn("mooncake_master", [
-            f"--rpc_address={self.host}", f"--rpc_port={rpc_port}",
-            f"--metrics_host={self.host}", f"--metrics_port={admin_port}",
-            "--enable_http_metadata_server=false", "--enable_metric_reporting=false",
-        ])
-        self._wait_until("mooncake_master", lambda: _http_get(f"{self._admin_url}/health") is not None)
-        return f"{self.host}:{rpc_port}"
-
-    def _start_memory_holder(self, segment_bytes: int) -> None:
-        # mooncake_client is the store's standalone client: it mounts a segment and serves reads of
-        # it. No local buffer: it never puts or gets itself.
-        self._spawn("mooncake_client", [
-            f"--host={self.host}", f"--port={free_port(self.host)}",
-            f"--global_segment_size={segment_bytes}", "--local_buffer_size=0",
-            f"--metadata_server={self.metadata_server}", f"--master_server_address={self.master_address}",
-        ])
-        # The master lists a segment once it is mounted; before that a put finds no space.
-        self._wait_until("mooncake_client", lambda: bool((_http_get(f"{self._admin_url}/get_all_segments") or "").strip()))
-
-    def _spawn(self, name: str, flags: list[str]) -> None:
-        log_path = Path(self._log_dir.name) / f"{name}.log"
-        glog = ["--logtostderr=true", "--minloglevel=1"]  # warnings and errors only, into the log file
-        with log_path.open("wb") as log_file:
-            process = subprocess.Popen([str(mooncake_binary(name)), *flags, *glog], stdin=subprocess.DEVNULL,
-                                       stdout=log_file, stderr=subprocess.STDOUT)
-        self._processes.append(process)
-
-    def _wait_until(self, name: str, ready: Callable[[], bool]) -> None:
-        process = self._processes[-1]
-        while not ready():
-            if process.poll() is not None or time.monotonic() > self._deadline:
-                state = f"exited with {process.returncode}" if process.poll() is not None else "did not answer in time"
-                raise KVTierUnavailable(f"kv tier: {name} {state}; last log line: {self._last_log_line(name)!r}")
-            time.sleep(0.05)
-
-    def _last_log_line(self, name: str) -> str:
-        lines = (Path(self._log_dir.name) / f"{name}.log").read_text(errors="replace").strip().splitlines()
-        return lines[-1] if lines else ""
 
 
 # ---------------------------------------------------------------- keys and values

@@ -125,7 +125,7 @@ class RunServices:
         self.restarts: Counter[str] = Counter()  # processor / proxy -> restarts in place so far
         self.seen: dict[str, float] = {}  # processor / proxy -> when last heard (Hello, heartbeat)
         self.silenced: dict[str, str] = {}  # a service killed for its silence -> why, for the message
-        self.kv_master: Any = None  # the run's shared KV tier (cellrunner.kv_tier.MooncakeMaster), if asked for
+        self.kv_master: Any = None  # the run's shared KV tier (cellrunner.mooncake_store.MooncakeMaster), if asked for
 
     # ================================================================ start and stop
 
@@ -173,7 +173,7 @@ class RunServices:
         tier = getattr(self.cfg.engine, "kv_tier", None)
         if tier is None or not tier.enabled or self.kv_master is not None:
             return
-        from cellrunner.kv_tier import MooncakeMaster  # the wheel's binaries, only when asked for
+        from cellrunner.mooncake_store import MooncakeMaster  # the wheel's binaries, only when asked for
 
         self.kv_master = MooncakeMaster(segment_bytes=tier.segment_bytes, host=host)
         log.info("kv tier: Mooncake Store at %s, %d MiB", self.kv_master.master_address, tier.segment_bytes >> 20)

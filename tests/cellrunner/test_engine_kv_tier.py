@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from cellrunner.engine import EmbeddedEngine
-from cellrunner.kv_tier import KVTier, MooncakeMaster
+from cellrunner.kv_tier import KVTier
+from cellrunner.mooncake_store import MooncakeMaster
 from tests.cellrunner.test_engine import generate, model_cfg, prompt_of, reference, vocab_size, weights  # noqa: F401
 from tests.cellrunner.test_kv_tier import _require_store
 

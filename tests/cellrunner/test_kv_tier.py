@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cellrunner.kv_tier import KV, KVTier, KVTierUnavailable, MooncakeMaster, encode_page, mooncake_binary, page_keys
+from cellrunner.kv_tier import KV, KVTier, encode_page, page_keys
+from cellrunner.mooncake_store import KVTierUnavailable, MooncakeMaster, mooncake_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI") == "true"

@@ -17,7 +17,6 @@ wheel or the Mooncake binaries, those tests skip on a workstation and fail in CI
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -37,6 +36,8 @@ from base.typed_config import ConfigError, build
 from cellrunner import sglang_hicache
 from cellrunner.config import SGLangKVTierConfig
 from cellrunner.engine_sglang import SGLangEngine, SGLangError, launch_command
+from cellrunner.mooncake_store import MooncakeMaster
+from tests.cellrunner.test_kv_tier import _require_store
 from tests.cellrunner.test_engine_sglang import (  # noqa: F401 (fake_sglang is a fixture)
     KEY, ROOT, fake_sglang, generate, make_engine, sglang_cfg, weights,
 )
@@ -357,43 +358,16 @@ def test_a_failed_load_leaves_the_server_serving_without_the_store(tmp_path, fak
 # ---------------------------------------------------------------- the run's store, for real
 
 
-def _mooncake_binary(name: str) -> Path:
-    spec = importlib.util.find_spec("mooncake")
-    path = Path(spec.origin).parent / name if spec is not None and spec.origin else None
-    if path is None or not path.is_file():
-        msg = f"{name} not found: pip install mooncake-transfer-engine-non-cuda"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_the_run_store_starts_and_serves_a_client_set_up_as_sglang_does(tmp_path, probe):
-    """mooncake_master and a memory holder from our command lines; then a store client set up with
-    the values SGLang's backend read from our config (``MooncakeStore.__init__`` calls ``setup``
-    with them), writing and reading a page key under the version's tag."""
-    master_bin, holder_bin = _mooncake_binary("mooncake_master"), _mooncake_binary("mooncake_client")
+def test_the_run_store_starts_and_serves_a_client_set_up_as_sglang_does(probe):
+    """The run's store (``MooncakeMaster``: the master and a memory holder); then a store client
+    set up with the values SGLang's backend read from our config (``MooncakeStore.__init__`` calls
+    ``setup`` with them), writing and reading a page key under the version's tag."""
+    _require_store()
     from mooncake.store import MooncakeDistributedStore
 
-    host, rpc, metrics = "127.0.0.1", _free_port(), _free_port()
-    master = sglang_hicache.start_mooncake_master(
-        sglang_hicache.mooncake_master_command(master_bin, host=host, rpc_port=rpc, metrics_port=metrics),
-        host=host, metrics_port=metrics, log_path=tmp_path / "master.log")
-    holder = None
-    try:
-        holder = sglang_hicache.start_memory_holder(
-            sglang_hicache.memory_holder_command(holder_bin, host=host, port=_free_port(), segment_bytes=32 << 20,
-                                                 master_address=f"{host}:{rpc}"),
-            master_host=host, master_metrics_port=metrics, log_path=tmp_path / "holder.log")
-        read = dict(probe["mooncake"][1]["config"], master_server_address=f"{host}:{rpc}", local_hostname=host)
+    with MooncakeMaster(segment_bytes=32 << 20, host="127.0.0.1") as master:
+        read = dict(probe["mooncake"][1]["config"], master_server_address=master.master_address,
+                    local_hostname=master.host)
         store = MooncakeDistributedStore()
         assert store.setup(read["local_hostname"], read["metadata_server"], read["global_segment_size"], 16 << 20,
                            read["protocol"], read["device_name"], read["master_server_address"], None) == 0
@@ -402,12 +376,3 @@ def test_the_run_store_starts_and_serves_a_client_set_up_as_sglang_does(tmp_path
         assert store.get(key) == b"kv" * 1000 and store.is_exist(key) == 1
         assert store.is_exist(key.replace("-w3_", "-w4_")) != 1  # another version's key: a miss
         store.close()
-    finally:
-        for process in (holder, master):
-            if process is not None:
-                sglang_hicache.stop_store_process(process)
-    with pytest.raises(RuntimeError, match="mooncake_master exited"):  # a master that cannot start says so
-        busy = sglang_hicache.start_mooncake_master(
-            sglang_hicache.mooncake_master_command(master_bin, host=host, rpc_port=rpc, metrics_port=metrics)
-            + ["--no_such_flag=1"], host=host, metrics_port=metrics, log_path=tmp_path / "bad.log", timeout_s=10)
-        sglang_hicache.stop_store_process(busy)

@@ -25,13 +25,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class _Node:
-    """A radix tree node: the edge's token ids into it, its children by their edge's first id, and
-    the entries whose token sequence passes through it (each entry's sequence ends at a node)."""
+    """A radix tree node: the edge's token ids into it, its children by their edge's first id, the
+    entries whose token sequence passes through it, and those whose sequence ends at it (each
+    entry's sequence ends at a node)."""
 
-    __slots__ = ("edge", "children", "keys")
+    __slots__ = ("edge", "children", "keys", "ends")
 
-    def __init__(self, edge: np.ndarray, keys: set[int]) -> None:
-        self.edge, self.children, self.keys = edge, {}, keys
+    def __init__(self, edge: np.ndarray, keys: set[int], ends: set[int] | None = None) -> None:
+        self.edge, self.children, self.keys, self.ends = edge, {}, keys, ends if ends is not None else set()
 
 
 class RadixIndex:
@@ -57,7 +58,7 @@ class RadixIndex:
         while pos < len(ids):
             child = node.children.get(int(ids[pos]))
             if child is None:
-                node.children[int(ids[pos])] = _Node(ids[pos:].copy(), {key})
+                node.children[int(ids[pos])] = _Node(ids[pos:].copy(), {key}, {key})
                 return
             m = common_prefix(child.edge, ids[pos:])
             if m < len(child.edge):  # split the edge where the new sequence leaves it
@@ -67,16 +68,18 @@ class RadixIndex:
                 node.children[int(ids[pos])] = child = mid
             child.keys.add(key)
             node, pos = child, pos + m
+            if pos == len(ids):
+                child.ends.add(key)
 
-    def ending_on(self, ids: np.ndarray, lengths: dict[int, int]) -> list[int]:
-        """Entries whose whole sequence is a prefix of ids (`lengths`: each entry's length)."""
+    def ending_on(self, ids: np.ndarray) -> list[int]:
+        """Entries whose whole sequence is a prefix of ids."""
         node, pos, out = self.root, 0, []
         while pos < len(ids) and (child := node.children.get(int(ids[pos]))) is not None:
             m = common_prefix(child.edge, ids[pos:])
             if m < len(child.edge):
                 break
             node, pos = child, pos + m
-            out += [k for k in node.keys if lengths[k] == pos]
+            out += node.ends
         return out
 
     def remove(self, key: int, ids: np.ndarray) -> None:
@@ -84,6 +87,7 @@ class RadixIndex:
         while pos < len(ids):
             child = node.children[int(ids[pos])]
             child.keys.discard(key)
+            child.ends.discard(key)
             if not child.keys:  # no entry passes through it, nor through anything below it
                 del node.children[int(ids[pos])]
                 return
@@ -149,8 +153,7 @@ class PrefixCache:
         if held == len(ids) and keys:  # held already, inside an entry at least as long
             self._entries.move_to_end(max(keys))
             return
-        lengths = {k: len(e.tokens) for k, e in self._entries.items()}
-        for key in self._index.ending_on(ids, lengths):  # the new entry answers every lookup these would
+        for key in self._index.ending_on(ids):  # the new entry answers every lookup these would
             self._drop(key)
         while self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))

@@ -73,10 +73,13 @@ def reference(model_cfg: ModelConfig, vocab_size: int, weights: list[FlatWeights
 def make_engine(model_cfg: ModelConfig, vocab_size: int, weights: list[FlatWeights]):
     engines = []
 
-    def make(*, resume: bool = True, seed: int = 0, max_running: int = 64, api_key: str = "") -> EmbeddedEngine:
+    def make(*, resume: bool = True, seed: int = 0, max_running: int = 64, api_key: str = "",
+             **options: object) -> EmbeddedEngine:
+        """An engine of the tiny model on loopback, at version 0 unless `resume` is False;
+        `options` go to EmbeddedEngine as they are (prefix cache, KV tier, ...)."""
         engine = EmbeddedEngine(
             model_cfg=model_cfg, vocab_size=vocab_size, host="127.0.0.1", port=0,
-            cell_id=len(engines), max_running=max_running, seed=seed, api_key=api_key,
+            cell_id=len(engines), max_running=max_running, seed=seed, api_key=api_key, **options,
         )
         engines.append(engine)
         engine.start()

@@ -12,7 +12,9 @@ import pytest
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.kv_tier import KVTier
 from cellrunner.mooncake_store import MooncakeMaster
-from tests.cellrunner.test_engine import generate, model_cfg, prompt_of, reference, vocab_size, weights  # noqa: F401
+from tests.cellrunner.test_engine import (  # noqa: F401 (fixtures)
+    generate, make_engine, model_cfg, prompt_of, reference, vocab_size, weights,
+)
 from tests.cellrunner.test_kv_tier import _require_store
 
 TOL = 2e-4
@@ -26,25 +28,19 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 @pytest.fixture
-def engines(model_cfg, vocab_size, weights, master):  # noqa: F811
-    made, tiers = [], []
+def engines(make_engine, master):  # noqa: F811
+    made: list[tuple[EmbeddedEngine, KVTier]] = []
 
     def make(namespace: str) -> EmbeddedEngine:
         """An engine on the tier; the engines of one run share a namespace (the model's name)."""
         tier = KVTier(master.master_address, namespace=namespace, page_tokens=64, local_buffer_bytes=8 << 20)
-        tiers.append(tier)
-        engine = EmbeddedEngine(model_cfg=model_cfg, vocab_size=vocab_size, host="127.0.0.1", port=0,
-                                cell_id=len(made), max_running=4, seed=0, prefix_cache_bytes=64 << 20,
-                                prefix_cache_min_tokens=8, kv_tier=tier)
-        made.append(engine)
-        engine.start()
-        engine.resume(weights[0])
+        engine = make_engine(max_running=4, prefix_cache_bytes=64 << 20, prefix_cache_min_tokens=8, kv_tier=tier)
+        made.append((engine, tier))
         return engine
 
     yield make
-    for engine in made:
+    for engine, tier in made:  # this teardown runs before make_engine's: stop each engine before its tier
         engine.stop()
-    for tier in tiers:
         tier.close()
 
 

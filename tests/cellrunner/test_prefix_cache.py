@@ -18,7 +18,7 @@ from cellrunner import engine_batch, prefix_cache
 from cellrunner.engine import EmbeddedEngine
 from cellrunner.prefix_cache import PrefixCache
 from tests.cellrunner.test_engine import (  # noqa: F401 (fixtures)
-    TOL, call, generate, model_cfg, prompt_of, reference, vocab_size, weights,
+    TOL, call, generate, make_engine, model_cfg, prompt_of, reference, vocab_size, weights,
 )
 
 SAME = 1e-5
@@ -26,23 +26,12 @@ SAME = 1e-5
 
 
 @pytest.fixture
-def engines(model_cfg, vocab_size, weights):
-    made = []
-
+def engines(make_engine):  # noqa: F811
     def make(*, cache_bytes: int = 64 << 20, min_tokens: int = 8, share_prefill: bool = True) -> EmbeddedEngine:
-        engine = EmbeddedEngine(
-            model_cfg=model_cfg, vocab_size=vocab_size, host="127.0.0.1", port=0, cell_id=len(made),
-            max_running=8, seed=0, prefix_cache_bytes=cache_bytes, prefix_cache_min_tokens=min_tokens,
-            share_prefill=share_prefill,
-        )
-        made.append(engine)
-        engine.start()
-        engine.resume(weights[0])
-        return engine
+        return make_engine(max_running=8, prefix_cache_bytes=cache_bytes, prefix_cache_min_tokens=min_tokens,
+                           share_prefill=share_prefill)
 
-    yield make
-    for engine in made:
-        engine.stop()
+    return make
 
 
 def logprobs(reply: dict) -> list[float]:

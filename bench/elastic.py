@@ -1,6 +1,6 @@
 """Elastic vs async vs colocate on the real embedded system: time to the same number of steps.
 
-    .venv/bin/python -m bench.elastic [--workload stationary|drift] [--quick | --cpu-bound] [--steps N]
+    .venv/bin/python -m bench.elastic [--workload stationary|drift|moving] [--quick | --cpu-bound] [--steps N]
                                       [--policies elastic,async,colocate] [--async-splits 2,3]
                                       [--[no-]colocate-sync] [--fit RESULT.json] [--release group|run]
                                       [--scale K] [--set KEY=VALUE ...] [--out FILE] [--root DIR]
@@ -20,6 +20,8 @@ same runs) and a model large enough that training a step costs about as much as 
 (``BENCH_OVERRIDES``; the reasons are in the overrides' comments). ``--workload drift`` makes the
 runs change as training goes (``DRIFT_OVERRIDES``, ``workloads/drift.py``): turns and think time
 grow 4x from the first step to the last, and the task mix turns tool-heavy halfway.
+``--workload moving`` alternates tool-heavy and token-heavy task families every 4 steps
+(``MOVING_OVERRIDES``): the serving/training balance moves back and forth.
 
 Measured per run, from ``runs/<id>/``: ``train_s`` = time from the controller's first tick to the
 last step's update (``metrics.jsonl``: ``progress`` and ``step`` events; process start-up is left
@@ -28,7 +30,7 @@ call (the processor's log of CallRecords: the staleness bound is checked on the 
 microstep and weight-load times where the controller logs them (``microstep`` and
 ``weights_loaded`` events). The result file keeps everything ``bench.simulate --calibrate`` needs.
 ``calibration_error`` is the simulator's prediction of this run from *another* run's costs
-(``--fit``; by default with ``--workload drift``, ``bench/results/elastic-stationary.json``).
+(``--fit``; by default with ``--workload drift`` or ``moving``, ``bench/results/elastic-stationary.json``).
 
 Ratios are ``train_s(other) / train_s(elastic)``: above 1, elastic reached the last step sooner.
 One run per policy on a shared 2-core machine: expect +-10-20% between repeats.
@@ -99,6 +101,20 @@ DRIFT_OVERRIDES = tuple(o for o in BENCH_OVERRIDES if not o.startswith(("workloa
     "workload.drift.mix_think=2.0", "workload.drift.mix_turns=1.0",
 )
 """``workload.drift.over_steps`` and ``mix_step`` follow ``--steps`` (``drift_overrides``)."""
+# --workload moving: the balance moves back and forth (workloads/drift.py, block_steps). Task
+# families alternate in blocks of 4 steps, tool-heavy first. Tool-heavy runs: one turn and 4x the
+# think time (a 6 s median against the 10 s timeout: many runs near it), so a step holds its 64
+# slots for long and makes few tokens; at 32 runs a cell, a step needs two serving cells to run
+# at once. Token-heavy runs: six turns and a quarter of the think time (0.4 s), so a step is
+# short and has six times the turns to train. The best fixed split differs per family. Not yet
+# measured: which split wins each family here is the bench's to say.
+MOVING_OVERRIDES = tuple(o for o in BENCH_OVERRIDES
+                         if not o.startswith(("workload.max_turns=", "scheduler.capacity_per_cell="))) + (
+    "workload.max_turns=2", "scheduler.capacity_per_cell=32", "workload.drift.block_steps=4",
+    "workload.drift.tool_think=4.0", "workload.drift.tool_turns=0.5",
+    "workload.drift.token_think=0.25", "workload.drift.token_turns=3.0",
+)
+WORKLOADS = ("stationary", "drift", "moving")
 FULL_STEPS = 20
 # --quick: the plumbing only (tiny default model, short think time), a couple of steps. The
 # timeout leaves room for 32 harnesses starting at once on 2 cores with a cold page cache (a fresh
@@ -452,11 +468,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, short think time, 2 steps")
     ap.add_argument("--cpu-bound", action="store_true",
                     help="no emulated accelerators: a larger model whose four trainers share this machine's cores")
-    ap.add_argument("--workload", choices=("stationary", "drift"), default="stationary",
-                    help="drift: runs grow 4x over the steps and the task mix changes halfway (DRIFT_OVERRIDES)")
+    ap.add_argument("--workload", choices=WORKLOADS, default="stationary",
+                    help="drift: runs grow 4x over the steps and the task mix changes halfway (DRIFT_OVERRIDES); "
+                         "moving: tool-heavy and token-heavy task families alternate every 4 steps (MOVING_OVERRIDES)")
     ap.add_argument("--fit", type=Path, default=None,
                     help="a stationary bench.elastic result file whose costs predict this run (calibration_error, "
-                         "out of sample); default with --workload drift: bench/results/elastic-stationary.json")
+                         "out of sample); default with --workload drift or moving: bench/results/elastic-stationary.json")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--async-splits", default="2,3",
@@ -480,10 +497,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not policies or any(p not in POLICIES for p in policies):
         ap.error(f"--policies: a comma list of {POLICIES}")
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
-    if args.workload == "drift" and (args.quick or args.cpu_bound):
-        ap.error("--workload drift: runs the paced bench setup (not with --quick or --cpu-bound)")
+    if args.workload != "stationary" and (args.quick or args.cpu_bound):
+        ap.error(f"--workload {args.workload}: runs the paced bench setup (not with --quick or --cpu-bound)")
     overrides = (QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound
-                 else drift_overrides(steps) if args.workload == "drift" else BENCH_OVERRIDES)
+                 else drift_overrides(steps) if args.workload == "drift"
+                 else MOVING_OVERRIDES if args.workload == "moving" else BENCH_OVERRIDES)
     if args.scale <= 0:
         ap.error("--scale: want > 0")
     overrides = scaled(overrides, args.scale) if args.scale != 1.0 else overrides
@@ -521,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({**out, "raw": compact_raw(results)}, indent=1))
     # Out of sample: the simulator, given the costs another run measured, predicts this one.
-    fit = args.fit or (FIT_RESULT if args.workload == "drift" else None)
+    fit = args.fit or (FIT_RESULT if args.workload != "stationary" else None)
     cal = calibrate(out_path, fit) if fit is not None else {
         "error": None, "reason": "no --fit result file: an out-of-sample prediction needs another run's costs"}
     out |= {"calibration_error": cal["error"], "prediction": cal}

@@ -41,10 +41,22 @@ class DriftConfig:
     """... think time x this (tool-heavier tasks: > 1)."""
     mix_turns: float
     """... turns x this."""
+    block_steps: int
+    """> 0: two task families alternate in blocks of this many steps, tool-heavy first (0: off)."""
+    tool_think: float
+    """Tool-heavy blocks: think time x this (long tool time, few tokens: many runs near the timeout)."""
+    tool_turns: float
+    """Tool-heavy blocks: turns x this."""
+    token_think: float
+    """Token-heavy blocks: think time x this (short runs, many tokens to train)."""
+    token_turns: float
+    """Token-heavy blocks: turns x this."""
 
     def check(self) -> None:
         if not (self.growth > 0 and self.over_steps >= 1 and self.mix_think > 0 and self.mix_turns > 0):
             raise ValueError("drift: want growth > 0, over_steps >= 1, mix_think > 0, mix_turns > 0")
+        if self.block_steps < 0 or min(self.tool_think, self.tool_turns, self.token_think, self.token_turns) <= 0:
+            raise ValueError("drift: want block_steps >= 0 and tool_think, tool_turns, token_think, token_turns > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

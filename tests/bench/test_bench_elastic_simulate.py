@@ -133,6 +133,23 @@ def test_scale_stretches_the_pace_and_the_harness_times_together():
         k: v for k, v in base.items() if k not in elastic.SCALED_KEYS}
 
 
+def test_the_moving_workload_alternates_families_that_want_different_splits():
+    """bench.elastic --workload moving: a valid config whose tool-heavy steps hold more runs than a
+    cell serves (two serving cells to run at once) and whose token-heavy steps have more turns."""
+    from tests.controller.test_config import load
+    from workloads.drift import run_shape
+
+    cfg = load(*elastic.MOVING_OVERRIDES, "run.steps=8")
+    wl = cfg.workload
+    shapes = [run_shape(wl, s) for s in range(8)]
+    assert [s.family for s in shapes] == ["tool"] * 4 + ["token"] * 4
+    runs_per_step = wl.groups_per_step * wl.group_size
+    assert runs_per_step > cfg.scheduler.capacity_per_cell  # a tool-heavy step needs two serving cells
+    tool, token = shapes[0], shapes[4]
+    assert wl.think_time.median_s * tool.think_scale > 0.5 * wl.timeout_s  # many tool-heavy runs near the timeout
+    assert token.max_turns >= 6 * tool.max_turns and token.think_scale < tool.think_scale / 10
+
+
 def test_simulate_any_trace_file_a_user_brings(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """--trace: one file, every policy and split, both bounds, in hours; --staleness overrides it."""
     trace = json.loads((ROOT / "bench" / "traces" / "p2_4t.json").read_text())

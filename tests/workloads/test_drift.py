@@ -11,7 +11,7 @@ import yaml
 
 from base.typed_config import ConfigError, build
 from workloads.config import BundledHarnessConfig, ThinkTimeConfig, WorkloadConfig
-from workloads.drift import run_shape
+from workloads.drift import RunShape, run_shape
 from workloads.harnesses import make_harness
 from tests.workloads.test_harnesses import launch
 
@@ -62,3 +62,28 @@ def test_the_bundled_harness_is_told_this_runs_think_time(tmp_path):
     argv = harness.command(dataclasses.replace(launch(tmp_path), max_turns=3, think_scale=2.5)).argv
     assert argv[argv.index("--think-median-s") + 1] == "5.0" and argv[argv.index("--max-turns") + 1] == "3"
     assert argv[argv.index("--think-max-s") + 1] == "9.0"  # the cap (past the timeout) does not move
+
+
+def test_task_families_alternate_in_blocks_tool_heavy_first():
+    wl = workload(block_steps=3, tool_think=4.0, tool_turns=0.5, token_think=0.25, token_turns=3.0)
+    wl = dataclasses.replace(wl, max_turns=2)
+    shapes = [run_shape(wl, s) for s in range(12)]
+    assert [s.family for s in shapes] == ["tool"] * 3 + ["token"] * 3 + ["tool"] * 3 + ["token"] * 3
+    tool, token = shapes[0], shapes[3]
+    assert (tool.max_turns, tool.think_scale) == (1, 4.0) and (token.max_turns, token.think_scale) == (6, 0.25)
+    assert shapes[6] == tool and shapes[9] == token  # the same family has the same shape in every block
+    assert run_shape(wl, 4, train=False) == RunShape(max_turns=2, think_scale=1.0)  # held-out eval keeps its shape
+    assert run_shape(workload(), 4).family == ""
+
+
+def test_families_compose_with_growth():
+    wl = workload(growth=4.0, over_steps=5, block_steps=2, tool_think=2.0)
+    assert run_shape(wl, 4).think_scale == pytest.approx(4.0 * 2.0) and run_shape(wl, 4).family == "tool"
+    assert run_shape(wl, 2).think_scale == pytest.approx(4.0 ** 0.5) and run_shape(wl, 2).family == "token"
+
+
+def test_bad_families_are_refused_in_words():
+    with pytest.raises(ConfigError, match="block_steps"):
+        workload(block_steps=-1)
+    with pytest.raises(ConfigError, match="tool_think"):
+        workload(block_steps=2, tool_think=0.0)

@@ -30,6 +30,10 @@ class RunConfig:
     seed: int
     eval_at_start: bool
     eval_at_end: bool
+    eval_every: int
+    """Evaluate on the held-out tasks each time this many more versions are applied, while
+    training goes on (0: only at the start and end). Such a round only serves: its runs are
+    never trained on."""
     run_id: str
     """The run folder's name under runs_dir; '' for a fresh timestamped one. Slurm scripts pass the
     job id, so a requeued job finds its folder and resumes from the core's newest checkpoint."""
@@ -46,6 +50,10 @@ class RunConfig:
     all stay). A checkpoint of a large model is large, and a resume needs only the newest."""
     log_level: Literal["DEBUG", "INFO", "WARNING"]
     progress_every_s: float
+
+    def check(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"run.eval_every: want >= 0 (0: off), got {self.eval_every}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -92,6 +92,7 @@ class Controller(RunStages):
         self.facts_seen: set[str] = set()
         self.closing_until = 0.0
         self.evals: list[EvalRound] = []
+        self.eval_from = 0
         self.step_rewards: list[tuple[int, float]] = []
         self.num_bad_frames = 0
         self.num_groups_dropped = 0
@@ -138,6 +139,7 @@ class Controller(RunStages):
                     raise StartError(f"cell {cell.cell_id} exited:\n{log_tail(self.log_dir, f'cell{cell.cell_id}')}")
             self._drain_socket(timeout_ms=100)
         self.resume_from_core()
+        self.eval_from = self.steps.version
         self.push_routing()
         svc.write_endpoints(self.cells)
         self.set_stage("eval_start" if c.run.eval_at_start and self.steps.version == 0 else "train")

@@ -3,7 +3,9 @@
 A run starts its processes (``starting``), evaluates the untrained policy when asked
 (``eval_start``), trains (``train``), waits for every cell to serve the final weights and every
 execution to settle (``final``), evaluates the trained policy when asked (``eval_end``), gives
-the processor a moment for the last executions' facts (``closing``), and ends (``done``).
+the processor a moment for the last executions' facts (``closing``), and ends (``done``). With
+``run.eval_every`` an eval round also starts at every N-th version while training goes on; it is
+not a stage: its runs queue beside the rollouts and only serve.
 ``STAGES`` is every move allowed; the controller moves its stage only through ``set_stage``,
 which checks it there.
 """
@@ -57,6 +59,7 @@ class EvalRound:
     label: str
     at_step: int
     executions: list[Execution] = field(default_factory=list)
+    logged: bool = False
 
     @property
     def done(self) -> bool:
@@ -87,6 +90,9 @@ class RunStages:
     t0: float
     stage: Stage
     evals: list[EvalRound]
+    eval_from: int
+    """The version this attempt started at: periodic rounds are for versions it applies itself
+    (the attempt before evaluated the one it resumed from)."""
     facts_seen: set[str]
     closing_until: float
 
@@ -95,6 +101,8 @@ class RunStages:
         self.stage = check_transition(self.stage, stage)
 
     def advance_stage(self) -> None:
+        if self.stage in ("train", "final"):
+            self.tend_periodic_evals()
         if self.stage == "eval_start" and self.evals[-1].done:
             self.finish_eval()
             self.set_stage("train")
@@ -123,6 +131,20 @@ class RunStages:
         self.set_stage("closing")
         self.closing_until = time.monotonic() + CLOSING_GRACE_S
 
+    def tend_periodic_evals(self) -> None:
+        """``run.eval_every``: a round at each N-th version this attempt applies (not the last: the
+        end eval covers it), and each round logged once its runs have settled. Its runs start at
+        that version; a call made after the next update lands is served by the newer weights, as
+        a training run's would be (each CallRecord keeps the version that made it)."""
+        every, v = self.cfg.run.eval_every, self.steps.version
+        if (every > 0 and self.stage == "train" and self.eval_from < v < self.cfg.run.steps and v % every == 0
+                and not any(r.label == f"v{v}" for r in self.evals)):
+            self.start_eval(f"v{v}")
+            log.info("eval (v%d): %d held-out runs queued beside the rollouts", v, len(self.evals[-1].executions))
+        for rnd in self.evals:
+            if rnd.label.startswith("v") and not rnd.logged and rnd.done:
+                self.finish_eval(rnd)
+
     def start_eval(self, label: str) -> None:
         rnd = EvalRound(label=label, at_step=self.steps.version)
         for i, task in enumerate(self.eval_tasks):
@@ -131,8 +153,10 @@ class RunStages:
                                                          min_version=self.steps.version)
         self.evals.append(rnd)
 
-    def finish_eval(self) -> None:
-        rnd = self.evals[-1]
+    def finish_eval(self, rnd: EvalRound | None = None) -> None:
+        """Log a settled round: the start or end round by default (the newest), or ``rnd``."""
+        rnd = rnd if rnd is not None else self.evals[-1]
+        rnd.logged = True
         self.metrics.log("eval", t=time.monotonic() - self.t0, label=rnd.label, step=rnd.at_step, reward=rnd.mean(),
                          rewards=[ex.reward for ex in rnd.executions])
         graded = sum(1 for ex in rnd.executions if ex.reward is not None)

@@ -89,3 +89,8 @@ def test_a_cell_may_start_as_long_as_its_engine_does():
     assert load("trainer=megatron").trainer.command_timeout_s >= 7 * 24 * 3600
     with pytest.raises(ConfigError, match="command_timeout_s"):
         load("trainer=megatron", "trainer.command_timeout_s=0")
+
+
+def test_a_negative_eval_every_is_refused():
+    with pytest.raises(ConfigError, match="eval_every"):
+        load("run.eval_every=-1")

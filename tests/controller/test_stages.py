@@ -58,8 +58,8 @@ def test_the_controller_walks_its_stages_through_the_table():
 class Walk(RunStages):
     """Just what ``RunStages`` reads: a run of ``steps`` steps with no cells and no executions."""
 
-    def __init__(self, *, steps: int, eval_at_end: bool):
-        self.cfg = SimpleNamespace(run=SimpleNamespace(steps=steps, eval_at_end=eval_at_end))
+    def __init__(self, *, steps: int, eval_at_end: bool, eval_every: int = 0):
+        self.cfg = SimpleNamespace(run=SimpleNamespace(steps=steps, eval_at_end=eval_at_end, eval_every=eval_every))
         self.cells = SimpleNamespace(alive=lambda: [])
         self.steps = SimpleNamespace(version=0)
         self.executions = SimpleNamespace(executions={}, plan_group=lambda **kw: [])
@@ -69,6 +69,7 @@ class Walk(RunStages):
         self.t0 = 0.0
         self.stage = "starting"
         self.evals: list[EvalRound] = []
+        self.eval_from = 0
         self.facts_seen: set[str] = set()
         self.closing_until = 0.0
 
@@ -109,3 +110,32 @@ def test_an_illegal_move_of_the_controller_raises_and_leaves_its_stage():
     with pytest.raises(StageError):
         run.close()  # closing only after final or eval_end
     assert run.stage == "train"
+
+
+def test_periodic_evals_run_beside_training_at_every_nth_version_but_the_last():
+    run = Walk(steps=7, eval_at_end=True, eval_every=3)
+    pending = SimpleNamespace(settled=False, reward=None)
+    run.executions = SimpleNamespace(executions={}, plan_group=lambda **kw: [pending])
+    run.set_stage("train")
+    for v in range(1, 7):  # one update applied per tick; the stage stays train throughout
+        run.steps.version = v
+        run.advance_stage()
+        assert run.stage == "train"
+    assert [(r.label, r.at_step) for r in run.evals] == [("v3", 3), ("v6", 6)]  # none at 7: the end eval covers it
+    assert run.logged == []  # their runs have not settled: nothing logged, training went on
+    pending.settled, pending.reward = True, 0.5
+    run.advance_stage()
+    assert run.logged == ["eval", "eval"] and all(r.logged for r in run.evals)
+    run.advance_stage()
+    assert run.logged == ["eval", "eval"]  # each round logged once
+
+
+def test_a_resumed_attempt_does_not_evaluate_the_version_it_resumed_from_again():
+    run = Walk(steps=9, eval_at_end=False, eval_every=3)
+    run.eval_from = run.steps.version = 3
+    run.set_stage("train")
+    run.advance_stage()
+    assert run.evals == []
+    run.steps.version = 6
+    run.advance_stage()
+    assert [r.label for r in run.evals] == ["v6"]

@@ -27,7 +27,7 @@ from cellrunner.model import build_model, flatten_params
 from base import wire
 from base.typed_config import build
 from base.tokenizer import get_tokenizer
-from tests.e2e import ROOT, call_records, member_socket, run_gyre_with
+from tests.e2e import ROOT, call_records, member_socket, metrics, run_gyre_with
 
 STEPS = 3
 
@@ -93,7 +93,7 @@ def is_of_run(proc: psutil.Process, run_dir: Path) -> bool:
 @pytest.mark.e2e
 def test_short_embedded_run(tmp_path):
     runs = tmp_path / "runs"
-    run_dir, report = run_gyre_with(runs, inject_faults, f"run.steps={STEPS}")
+    run_dir, report = run_gyre_with(runs, inject_faults, f"run.steps={STEPS}", "run.eval_every=1")
     summary = json.loads((run_dir / "summary.json").read_text())
 
     # The run finished its steps, every cell served, cells switched and trained.
@@ -120,6 +120,13 @@ def test_short_embedded_run(tmp_path):
     assert 0 in versions and max(versions) >= 1, versions
     eval_end = [r for r in records if r.execution_id.startswith("eval-end")]
     assert eval_end and all(r.weight_version == STEPS for r in eval_end)
+
+    # run.eval_every=1: a held-out round at each version between, beside the rollouts, logged once.
+    evals = [e for e in metrics(run_dir, "eval")]
+    assert [e["label"] for e in evals if e["label"].startswith("v")] == [f"v{v}" for v in range(1, STEPS)]
+    assert {e["label"] for e in evals} >= {"start", "end"}
+    periodic = [r for r in records if r.execution_id.startswith("eval-v")]
+    assert periodic and all(r.weight_version >= int(r.execution_id.split("-")[1][1:]) for r in periodic)
 
     # Each injected fault left a clear line and the run went on.
     ctl_log = (run_dir / "controller.log").read_text()

@@ -19,7 +19,7 @@ SLOW_FILES = {
     "cellrunner/test_export_dtype.py", "cellrunner/test_kv_tier.py", "cellrunner/test_engine_kv_tier.py", "cellrunner/test_command_timeout.py", "cellrunner/test_cell_heartbeat.py",
     "cellrunner/test_hf_checkpoint.py", "cellrunner/test_checkpoint.py",
     # real harness binaries, the proxy restarted under them
-    "harness_proxy/test_claude_code.py", "harness_proxy/test_qwen_code.py", "harness_proxy/test_mini_swe_agent.py",
+    "harness_proxy/test_harnesses.py", "harness_proxy/test_claude_code.py", "harness_proxy/test_qwen_code.py", "harness_proxy/test_mini_swe_agent.py",
     "harness_proxy/test_proxy_restart.py", "harness_proxy/test_main.py", "harness_proxy/test_engine_client.py",
     # sandboxes and graders running real test suites
     "workloads/test_taskset_pkgbugs.py", "workloads/test_taskset_pyfix.py", "workloads/test_grader_tests.py",

@@ -19,7 +19,7 @@ from base import wire
 from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, TOK, LiveProxy, Step
 from tests.harness_proxy.claude_code import engine_ids, tool_call, tool_calls_in
-from tests.harness_proxy.test_claude_code import drift
+from tests.harness_proxy.harness_suite import drift
 from trajectory.tree import TokenTree
 
 pytestmark = pytest.mark.e2e

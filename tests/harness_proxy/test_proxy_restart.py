@@ -24,8 +24,8 @@ from tests.harness_proxy import SECRET, LiveProxy, Step
 from tests.harness_proxy.test_server import get_raw
 from tests.harness_proxy.claude_code import CLAUDE_BIN, CodingScript, claude_env, run_claude
 from tests.harness_proxy.qwen_code import QWEN_BIN, QwenCodingScript, qwen_env, run_qwen
-from tests.harness_proxy.test_claude_code import TASK as CLAUDE_TASK
-from tests.harness_proxy.test_claude_code import call_records, continues
+from tests.harness_proxy.harness_suite import TASK as CLAUDE_TASK
+from tests.harness_proxy.harness_suite import call_records, continues
 from trajectory.tree import TokenTree
 
 pytestmark = pytest.mark.e2e

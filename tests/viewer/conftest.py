@@ -10,7 +10,7 @@ from base import wire
 from base.execution_token import mint_token
 from tests.harness_proxy import SECRET, LiveProxy
 from tests.harness_proxy.claude_code import CodingScript, claude_env, run_claude
-from tests.harness_proxy.test_claude_code import COMPACT_ENV, TASK
+from tests.harness_proxy.harness_suite import COMPACT_ENV, TASK
 from tests.viewer import write_run
 from viewer.main import serve
 
@@ -35,7 +35,7 @@ def viewer():
 @pytest.fixture(scope="session")
 def claude_code_run(tmp_path_factory) -> tuple[Path, Counter]:
     """The pinned Claude Code, run for real through the real proxy with the scripted engine of
-    tests/harness_proxy/test_claude_code.py (a tool loop, a sub-agent, one compaction), sealed as
+    tests/harness_proxy/test_harnesses.py (a tool loop, a sub-agent, one compaction), sealed as
     the controller seals it, graded, and logged by the processor's own service into a run folder.
     Returns the folder and the policy tokens the processor sent to train."""
     tmp = tmp_path_factory.mktemp("cc")

@@ -12,7 +12,9 @@ stall-free bound, in hours, and elastic's ratios against them, as one JSON objec
 (``controller.bounds.phase_balance``). ``--staleness`` replaces the trace's staleness bound for
 every policy. ``--moving``: the shipped moving-balance 2.4T-like trace (``p2_4t_moving``) at
 staleness 1 and 2, with ``moving_vs_best_async``, ``moving_st2_vs_best_async``,
-``moving_vs_colocate`` and ``moving_vs_bound`` (over the larger of the two bounds) last.
+``moving_vs_colocate`` and ``moving_vs_bound`` (over the larger of the two bounds) last, and under
+``variants`` the same runs with held-out eval rounds (``p2_4t_moving_eval``) and with a satellite
+lost halfway (``p2_4t_moving_loss``): every policy's hours and elastic's ratios.
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -208,12 +210,23 @@ def moving_summary(path: Path, *, seed: int) -> dict[str, Any]:
     base = load_trace(path)
     at = {s: trace_summary(dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=s)),
                            seed=seed) for s in (1, 2)}
+    # The same runs with held-out eval rounds, and with a satellite lost halfway (their bounds
+    # count neither: they stay valid, only looser).
+    variants = {}
+    for suffix in ("eval", "loss"):
+        other = path.with_name(f"{path.stem}_{suffix}.json")
+        if other.exists():
+            summary = trace_summary(load_trace(other), seed=seed)
+            variants[summary["trace"]] = {key: summary[key] for key in (
+                "hours", "bound_h", "stall_free_bound_h", "best_split_cells", "elastic_vs_best_async",
+                "elastic_vs_colocate", "elastic_vs_bound")}
     return {
         "trace": base.name, "moving_vs_best_async": at[1]["elastic_vs_best_async"],
         "moving_st2_vs_best_async": at[2]["elastic_vs_best_async"],
         "moving_vs_colocate": at[1]["elastic_vs_colocate"], "moving_vs_bound": at[1]["elastic_vs_bound"],
         "moving_st2_vs_colocate": at[2]["elastic_vs_colocate"], "moving_st2_vs_bound": at[2]["elastic_vs_bound"],
         "by_staleness": {str(s): summary for s, summary in at.items()},
+        "variants": variants,
     }
 
 

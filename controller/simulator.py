@@ -20,6 +20,11 @@ microsteps to training cells holding the current version, apply on the core, pub
 to every satellite. A serving cell keeps serving with its old weights while it loads new ones, and
 each call is stamped with the version that produced it; the result says how stale the trained
 data were and how long live work went without serving capacity.
+
+A trace's ``eval`` rounds are queued as the controller's ``run.eval_every`` rounds are, once their
+version is applied, at that version's floor; its ``cell_losses`` kill a satellite once their
+version is applied, as a cell the controller drops: its calls move, its microsteps (and
+gradients not yet sent) go back to the step's queue, and it never serves or trains again.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class SimExecution:
     call_left: float = 0.0
     timed_out: bool = False
     call_versions: list[int] = field(default_factory=list)
+    train: bool = True
+    """False for a held-out eval run (the trace's ``eval``): it needs serving and trains nothing."""
 
 
 @dataclass
@@ -139,12 +146,14 @@ RunSource = Callable[[str, int], tuple[float, ...]]
 
 
 def pool_source(trace: Trace, seed: int) -> RunSource:
-    """Each planned execution draws a run from its step's slice of the pool, seeded, in planning order."""
-    rng = random.Random(seed)
+    """Each planned execution draws a run from its step's slice of the pool, seeded, in planning
+    order. Eval runs draw from a generator of their own, so a trace with eval rounds trains on the
+    same runs as the one without."""
+    rng, eval_rng = random.Random(seed), random.Random(f"eval/{seed}")
 
-    def draw(_eid: str, step: int) -> tuple[float, ...]:
+    def draw(eid: str, step: int) -> tuple[float, ...]:
         pool = trace.runs_of_step(step)
-        return pool[rng.randrange(len(pool))]
+        return pool[(eval_rng if eid.startswith("eval-") else rng).randrange(len(pool))]
 
     return draw
 
@@ -346,6 +355,19 @@ class Simulation:
             if ex.state == "running":
                 self.route(ex)
 
+    def plan_eval(self, version: int) -> None:
+        """The trace's held-out round at ``version``, behind the queued rollouts (``start_eval``)."""
+        ev = self.trace.eval
+        if ev is None or version % ev.every or version >= self.wl.steps:
+            return
+        for i in range(ev.runs):
+            eid = f"eval-v{version}-e{i}"
+            ex = SimExecution(execution_id=eid, step=version, group_id=f"eval-v{version}",
+                              segments=self.runs(eid, version), train=False)
+            self.executions.append(ex)
+            self.queue.append(ex)
+        self.dirty = True
+
     def view(self) -> SchedulerView:
         busy = self.steps.busy_cells()
         st = self.steps.current
@@ -436,8 +458,9 @@ class Simulation:
 
     def route(self, ex: SimExecution) -> None:
         """Sticky to its cell while that serves, else the least-loaded serving cell (the proxy's
-        rule), among cells whose weights the execution's step may use (the floor in its token)."""
-        floor = ex.step - self.cfg.staleness
+        rule), among cells whose weights the execution's step may use (the floor in its token;
+        an eval run's is its own version)."""
+        floor = ex.step - self.cfg.staleness if ex.train else ex.step
         serving = [c for c in self.cells if c.phase == "serving" and c.version >= floor]
         if not serving:
             self.bind(ex, None)
@@ -498,6 +521,8 @@ class Simulation:
             self.waiting.remove(ex)
         self.num_running -= 1
         self.dirty = True
+        if not ex.train:
+            return  # an eval run: graded for the eval's mean, never trained on
         group = self.groups[ex.group_id]
         if all(e.state == "ended" for e in group):
             self.at(self.wl.grade_s, self.group_ready, ex.group_id)
@@ -544,6 +569,8 @@ class Simulation:
     # ================================================================ events: cells
 
     def switched(self, c: SimCell, phase: str) -> None:
+        if c.phase == "dead":
+            return
         c.phase = phase
         c.version = self.steps.version if c.is_core else c.switch_version
         if c.version < self.steps.version:
@@ -557,6 +584,8 @@ class Simulation:
         self.at(self.cc.weight_transfer_s, self.loaded, c, self.steps.version)
 
     def loaded(self, c: SimCell, version: int) -> None:
+        if c.phase == "dead":
+            return
         c.loading = False
         c.version = max(c.version, version)
         if c.version < self.steps.version and c.phase in ("serving", "training"):
@@ -573,6 +602,8 @@ class Simulation:
         self.dirty = True
 
     def grads_sent(self, c: SimCell, step: int) -> None:
+        if c.phase == "dead":
+            return  # lost with it: on_cell_lost put its microsteps back
         c.sending = False
         self.steps.on_grads_sent(c.cell_id, step)
         self.dirty = True
@@ -587,6 +618,20 @@ class Simulation:
                 c.version = self.steps.version
             elif c.phase in ("serving", "training"):
                 self.load(c)
+        for loss in self.trace.cell_losses:
+            if loss.at_version == self.steps.version:
+                self.lose(self.cells[loss.cell])
+        self.plan_eval(self.steps.version)
+        self.dirty = True
+
+    def lose(self, c: SimCell) -> None:
+        """A satellite gone for good, as the controller drops a silent cell: its calls move to
+        serving cells (paying ``reroute_s``), its microsteps and unsent gradients are trained again."""
+        serving = c.phase == "serving"
+        c.phase, c.microstep_end, c.loading, c.sending = "dead", None, False, False
+        if serving:
+            self.unroute(c)
+        self.steps.on_cell_lost(c.cell_id)
         self.dirty = True
 
     # ================================================================ output
@@ -594,7 +639,7 @@ class Simulation:
     def result(self) -> SimResult:
         if self.demand_since is not None:
             self.max_demand_wait = max(self.max_demand_wait, self.t - self.demand_since)
-        ended = [ex for ex in self.executions if ex.state == "ended"]
+        ended = [ex for ex in self.executions if ex.state == "ended" and ex.train]
         return SimResult(
             policy=self.cfg.kind, trace=self.trace.name, makespan_s=self.t, step_done_s=tuple(self.step_done),
             num_executions=len(ended), num_timed_out=sum(1 for ex in ended if ex.timed_out),

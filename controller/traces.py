@@ -9,7 +9,9 @@ trace, with the staleness bound the trace names, so comparisons are matched.
      "reference_h": {"elastic": h, "async": h, "colocate": h} | null,
      "phases": [{"name": str, "first_step": int, "runs": [lo, hi],
                  "microsteps_per_group": int?, "microstep_s": float?}, ...],
-     "executions": [[call_s, think_s, call_s, think_s, ...], ...]}
+     "executions": [[call_s, think_s, call_s, think_s, ...], ...],
+     "eval": {"every": int, "runs": int}?,
+     "cell_losses": [{"cell": int, "at_version": int}, ...]?}
 
 ``executions`` is a pool of harness runs. Each run alternates *call* segments (model time: it
 needs a serving cell and stalls without one) and *think* segments (tool time: it runs whether or
@@ -18,6 +20,12 @@ from (the last phase whose ``first_step`` is <= the step; the first phase starts
 trace can drift as training goes, e.g. runs that sit near the timeout in one stretch of steps.
 The simulator draws each planned execution's run from its step's slice with a seeded generator,
 so a small file describes a long run.
+
+Two optional keys (absent: none, so older files load as they were): ``eval`` plans a held-out
+round of ``runs`` runs at every ``every``-th weight version (not the last), drawn from that step's
+slice; they need serving and train nothing. ``cell_losses`` kills a satellite (never cell 0, the
+core) once a weight version is applied: its calls move elsewhere, its microsteps are trained
+again, and it never comes back.
 """
 
 from __future__ import annotations
@@ -110,6 +118,28 @@ class Phase:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalRounds:
+    every: int
+    """A round at every this-many-th weight version applied (not the last)."""
+    runs: int
+    """Runs a round holds: serving only, never trained on."""
+
+    def check(self) -> None:
+        _positive("eval", every=self.every, runs=self.runs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellLoss:
+    cell: int
+    """A satellite: 1..cells.num_cells-1 (cell 0 is the core)."""
+    at_version: int
+    """Lost once this weight version is applied."""
+
+    def check(self) -> None:
+        _positive("cell_losses", cell=self.cell, at_version=self.at_version)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Trace:
     name: str
     description: str
@@ -119,6 +149,8 @@ class Trace:
     reference_h: dict[str, float] | None
     phases: tuple[Phase, ...]
     executions: tuple[tuple[float, ...], ...]
+    eval: EvalRounds | None = None
+    cell_losses: tuple[CellLoss, ...] = ()
 
     def check(self) -> None:
         self.cells.check()
@@ -135,6 +167,16 @@ class Trace:
             lo, hi = ph.runs
             if not 0 <= lo < hi <= len(self.executions):
                 raise TraceError(f"phases[{i}].runs: want 0 <= lo < hi <= {len(self.executions)}, got {[lo, hi]}")
+        if self.eval is not None:
+            self.eval.check()
+        lost = [loss.cell for loss in self.cell_losses]
+        for loss in self.cell_losses:
+            loss.check()
+            if loss.cell >= self.cells.num_cells or loss.at_version >= self.workload.steps:
+                raise TraceError(f"cell_losses: want a satellite 1..{self.cells.num_cells - 1} lost at a version "
+                                 f"1..{self.workload.steps - 1}, got cell {loss.cell} at {loss.at_version}")
+        if len(set(lost)) != len(lost) or len(lost) > self.cells.num_cells - 2:
+            raise TraceError("cell_losses: each cell once, and at least two cells left (one to serve, one to train)")
 
     def phase_of_step(self, step: int) -> Phase:
         return [ph for ph in self.phases if ph.first_step <= step][-1]
@@ -162,8 +204,9 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def parse_trace(raw: Any) -> Trace:
+    optional = {"eval", "cell_losses"} & (set(raw) if isinstance(raw, dict) else set())
     obj = _mapping(raw, "trace", {"format", "name", "description", "generator", "cells", "workload",
-                                  "reference_h", "phases", "executions"})
+                                  "reference_h", "phases", "executions"} | optional)
     if obj["format"] != FORMAT:
         raise TraceError(f"format: want {FORMAT!r}, got {obj['format']!r}")
     for key in ("name", "description", "generator"):
@@ -176,6 +219,8 @@ def parse_trace(raw: Any) -> Trace:
         reference_h=_reference(obj["reference_h"]),
         phases=_phases(obj["phases"]),
         executions=_pool(obj["executions"]),
+        eval=_dataclass(EvalRounds, obj["eval"], "eval") if obj.get("eval") is not None else None,
+        cell_losses=_cell_losses(obj.get("cell_losses", [])),
     )
     try:
         trace.check()
@@ -196,7 +241,9 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
                    | ({"microstep_s": ph.microstep_s} if ph.microstep_s else {})
                    for ph in trace.phases],
         "executions": [list(run) for run in trace.executions],
-    }
+    } | ({"eval": {"every": trace.eval.every, "runs": trace.eval.runs}} if trace.eval is not None else {}) | (
+        {"cell_losses": [{"cell": x.cell, "at_version": x.at_version} for x in trace.cell_losses]}
+        if trace.cell_losses else {})
 
 
 def write_trace(trace: Trace, path: str | Path) -> None:
@@ -269,6 +316,12 @@ def _phases(raw: Any) -> tuple[Phase, ...]:
         out.append(Phase(name=obj["name"], first_step=obj["first_step"], runs=(runs[0], runs[1]),
                          microsteps_per_group=per_group, microstep_s=float(microstep_s)))
     return tuple(out)
+
+
+def _cell_losses(raw: Any) -> tuple[CellLoss, ...]:
+    if not isinstance(raw, list) or len(raw) > 1000:
+        raise TraceError("cell_losses: want a list of {cell, at_version} objects")
+    return tuple(_dataclass(CellLoss, item, f"cell_losses[{i}]") for i, item in enumerate(raw))
 
 
 def _pool(raw: Any) -> tuple[tuple[float, ...], ...]:

@@ -22,7 +22,9 @@ a measurement of that system, whose own traces are not public):
   group) and token-heavy ones (shorter runs, ten shards a group) alternate in blocks of six steps,
   so the split that suits a step swings between one and three training cells of four
   (``controller.bounds.phase_balance``). ``p2_4t_curriculum``: the same two families as a
-  monotone curriculum, from tool-heavy to token-heavy in six stages.
+  monotone curriculum, from tool-heavy to token-heavy in six stages. ``p2_4t_moving_eval`` and
+  ``p2_4t_moving_loss``: ``p2_4t_moving``'s runs with a held-out eval round at every 4th version
+  (serving only), and with a satellite lost for good halfway.
 
 A run's length is drawn from a mixture: with probability ``near_timeout`` it is uniform in
 ``[0.85, 1.3] x timeout`` (a run that would go past the timeout is cut there by the simulator),
@@ -38,7 +40,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.traces import CellCosts, Phase, Trace, WorkloadShape, write_trace
+from controller.traces import CellCosts, CellLoss, EvalRounds, Phase, Trace, WorkloadShape, write_trace
 
 HERE = Path(__file__).resolve().parent
 RUNS_PER_PHASE = 384
@@ -71,6 +73,11 @@ class Spec:
     phases: tuple[PhaseShape, ...]
     reference_h: dict[str, float] | None = None
     runs_per_phase: int = RUNS_PER_PHASE
+    pool_of: str = ""
+    """Draw the runs as the trace of this name does (the same pool), so two traces differ only
+    in what else they say (eval rounds, a lost cell); '': the trace's own name."""
+    eval: EvalRounds | None = None
+    cell_losses: tuple[CellLoss, ...] = ()
 
 
 MIN = 60.0
@@ -190,6 +197,22 @@ SPECS: tuple[Spec, ...] = (
         runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
     ),
     Spec(
+        name="p2_4t_moving_eval",
+        description="p2_4t_moving's runs with a held-out eval of 64 runs at every 4th version: rounds that "
+                    "only serve, beside the rollouts",
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
+        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
+        runs_per_phase=RUNS_PER_PHASE // 4, pool_of="p2_4t_moving", eval=EvalRounds(every=4, runs=64),
+    ),
+    Spec(
+        name="p2_4t_moving_loss",
+        description="p2_4t_moving's runs with one satellite (cell 3) lost for good halfway, once version 24 is "
+                    "applied: three cells do the rest",
+        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
+        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
+        runs_per_phase=RUNS_PER_PHASE // 4, pool_of="p2_4t_moving", cell_losses=(CellLoss(cell=3, at_version=24),),
+    ),
+    Spec(
         name="p2_4t_curriculum",
         description="2.4T-like with a monotone curriculum: from tool-heavy tasks (1.5 h median, 1 shard a group) "
                     "to token-heavy ones (0.35 h, 10 shards) in six stages",
@@ -257,7 +280,7 @@ def draw_run(rng: random.Random, shape: RunShape, timeout_s: float) -> list[floa
 
 
 def make_trace(spec: Spec, seed: int) -> Trace:
-    rng = random.Random(f"{spec.name}/{seed}")
+    rng = random.Random(f"{spec.pool_of or spec.name}/{seed}")
     pool: list[tuple[float, ...]] = []
     phases = []
     for ph in spec.phases:
@@ -270,7 +293,7 @@ def make_trace(spec: Spec, seed: int) -> Trace:
         name=spec.name, description=spec.description,
         generator=f"python -m bench.traces.generate --seed {seed} ({shapes})",
         cells=spec.cells, workload=spec.workload, reference_h=spec.reference_h, phases=tuple(phases),
-        executions=tuple(pool),
+        executions=tuple(pool), eval=spec.eval, cell_losses=spec.cell_losses,
     )
 
 

@@ -176,3 +176,8 @@ def test_simulate_moving_prints_the_moving_balance_keys(capsys: pytest.CaptureFi
     st1 = out["by_staleness"]["1"]
     assert out["moving_vs_best_async"] == st1["elastic_vs_best_async"] and st1["staleness"] == 1
     assert [p["ideal_training_cells"] for p in st1["phases"]] == [1, 3] * 4  # the balance moves
+    # The same runs with eval rounds and with a satellite lost halfway: every policy finishes.
+    assert set(out["variants"]) == {"p2_4t_moving_eval", "p2_4t_moving_loss"}
+    for name, v in out["variants"].items():
+        assert set(v["hours"]) == {"elastic", "colocate", "colocate_sync", "async_1", "async_2", "async_3"}, name
+        assert all(finite(h) and h > 0 for h in v["hours"].values()) and v["elastic_vs_bound"] >= 1.0, name

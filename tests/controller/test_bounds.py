@@ -62,7 +62,7 @@ def test_compute_slots_bound_the_cells_training_at_once():
     assert makespan_bound(shared, pool_source(shared, 0)) == pytest.approx(3.75 + 6 + 0.5)
 
 
-NAMES = ["p2_4t", "p2_4t_drift", "p2_4t_moving", "nl2repo_122b_moving", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b", "terminalbench_122b"]
+NAMES = ["p2_4t", "p2_4t_drift", "p2_4t_moving", "p2_4t_moving_eval", "p2_4t_moving_loss", "nl2repo_122b_moving", "nl2repo_122b", "nl2repo_timeout_122b", "deepswe_122b", "terminalbench_122b"]
 
 
 @pytest.mark.parametrize("name", NAMES)

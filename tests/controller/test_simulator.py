@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.simulator import simulate
-from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace, parse_trace, trace_to_json
+from controller.simulator import Simulation, pool_source, scheduler_config, simulate
+from controller.traces import (
+    CellCosts, CellLoss, EvalRounds, Phase, Trace, TraceError, WorkloadShape, load_trace, parse_trace, trace_to_json,
+)
 
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "traces"
 
@@ -100,6 +102,47 @@ def test_every_call_is_stamped_with_the_version_that_made_it():
     assert simulate(stale, "elastic").max_staleness <= 1
 
 
+def test_eval_rounds_serve_beside_training_and_train_nothing():
+    base = dataclasses.replace(theory_trace(), cells=dataclasses.replace(theory_trace().cells, capacity_per_cell=8))
+    with_eval = dataclasses.replace(base, eval=EvalRounds(every=2, runs=12))
+    sims = {}
+    for trace in (base, with_eval):
+        sim = Simulation(trace, scheduler_config(trace, "elastic"), theory_runs)
+        sims[trace.eval is not None] = (sim, sim.run())
+    (plain_sim, plain), (eval_sim, evald) = sims[False], sims[True]
+    evals = [ex for ex in eval_sim.executions if not ex.train]
+    # rounds at versions 2, 4 and 6 (none at the last, 8); each run's calls at its round's version or later
+    assert sorted({ex.group_id for ex in evals}) == ["eval-v2", "eval-v4", "eval-v6"] and len(evals) == 36
+    assert all(min(ex.call_versions, default=ex.step) >= ex.step for ex in evals if ex.state == "ended")
+    assert evald.num_executions == plain.num_executions  # the trained runs alone
+    assert len(evald.step_done_s) == len(plain.step_done_s) == 8
+    # Eval runs draw from a generator of their own: the training runs are the same with the rounds.
+    moving = load_trace(TRACES / "p2_4t_moving.json")
+    ids = [f"s{s}-g{g}-e{i}" for s in range(0, 12, 5) for g in range(2) for i in range(4)]
+    alone, beside = pool_source(moving, 0), pool_source(moving, 0)
+    want = [alone(i, int(i[1:].split("-")[0])) for i in ids]
+    got = []
+    for i in ids:
+        got.append(beside(i, int(i[1:].split("-")[0])))
+        beside(f"eval-v1-{i}", 1)
+    assert got == want
+
+
+def test_a_lost_satellite_is_dropped_and_the_run_finishes_on_the_rest():
+    lost = dataclasses.replace(theory_trace(), cell_losses=(CellLoss(cell=3, at_version=3),))
+    for kind in ("elastic", "async", "colocate"):
+        sim = Simulation(lost, scheduler_config(lost, kind), theory_runs)
+        r = sim.run()
+        full = simulate(theory_trace(), kind, runs=theory_runs)
+        assert len(r.step_done_s) == 8 and sim.cells[3].phase == "dead"  # every step applied without it
+        assert r.makespan_s >= full.makespan_s - 1e-9, kind
+        done_at_loss = r.step_done_s[2]  # version 3 applied: the cell is gone from then on
+        assert sim.cells[3].served_s + sim.cells[3].trained_s <= done_at_loss + 1e-6
+    # a satellite lost mid-microstep: its shard is trained again by another cell, nothing lost
+    mid = dataclasses.replace(theory_trace(), cell_losses=(CellLoss(cell=1, at_version=1),))
+    assert len(Simulation(mid, scheduler_config(mid, "colocate"), theory_runs).run().step_done_s) == 8
+
+
 def theory_trace() -> Trace:
     """Training-heavy, long-tailed: a step is 24 cell-seconds of microsteps, and its first group
     has one run of 12 s among runs of 3 s (the second group is all short). Theory: async (one
@@ -141,7 +184,8 @@ def test_same_seed_same_run_and_seeds_draw_differently():
 def test_our_trace_files_load_and_round_trip():
     names = sorted(p.stem for p in TRACES.glob("*.json"))
     assert names == ["deepswe_122b", "nl2repo_122b", "nl2repo_122b_moving", "nl2repo_timeout_122b", "p2_4t",
-                     "p2_4t_curriculum", "p2_4t_drift", "p2_4t_moving", "terminalbench_122b"]
+                     "p2_4t_curriculum", "p2_4t_drift", "p2_4t_moving", "p2_4t_moving_eval", "p2_4t_moving_loss",
+                     "terminalbench_122b"]
     for path in TRACES.glob("*.json"):
         trace = load_trace(path)
         assert parse_trace(json.loads(json.dumps(trace_to_json(trace)))) == trace
@@ -213,6 +257,12 @@ def raw() -> dict:
     (lambda d: d["phases"][0].update(microsteps_per_group=-1), "phases[0].microsteps_per_group"),
     (lambda d: d["phases"][0].update(microsteps_per_group=1.5), "phases[0].microsteps_per_group"),
     (lambda d: d["phases"][0].update(shards=2), "unknown ['shards']"),
+    (lambda d: d.update(eval={"every": 0, "runs": 2}), "eval.every: want > 0"),
+    (lambda d: d.update(eval={"every": 2}), "eval: missing ['runs']"),
+    (lambda d: d.update(cell_losses=[{"cell": 0, "at_version": 1}]), "cell_losses.cell: want > 0"),
+    (lambda d: d.update(cell_losses=[{"cell": 9, "at_version": 1}]), "want a satellite"),
+    (lambda d: d.update(cell_losses=[{"cell": 1, "at_version": 1.5}]), "cell_losses[0].at_version: want an integer"),
+    (lambda d: d.update(cell_losses={"cell": 1}), "cell_losses: want a list"),
 ])
 def test_bad_trace_files_are_refused_naming_the_field(mutate, message):
     d = raw()

@@ -24,7 +24,7 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
      switch then: the next step's rollouts are on the critical path;
   4. ``min_serving_cells`` stand by for rollouts to come, except when nothing is live and the
      trainable step's rollouts are all in or being graded: then no rollout can start before its
-     update lands.
+     update lands; nor for runs the lookahead holds back (below) when they are all that is live.
   Lookahead (``launch_room``): with a staleness bound above 1, while microsteps wait for a
   cell, runs of steps past the next one start only in the slack of the cells the nearer work
   holds, and rule 3 does not count them as live work, so no cell keeps serving for work no
@@ -32,7 +32,15 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
   went from 0.98x / 0.96x of the best fixed split to 1.01x / 1.03x at staleness 2 / 3). Not
   while the pipeline fills (the first ``staleness`` updates): then every planned step is on the
   critical path, and holding its runs back cost short runs up to 9% (8 steps of p2_4t at
-  staleness 2: 1.14x over the best split with it there, 1.24x without).
+  staleness 2: 1.14x over the best split with it there, 1.24x without). Only while the trainable
+  step is due to train (``_training_due``): with nothing to train, held runs are live work like
+  any other, and idle training cells serve them rather than idle beside a queue. And no cell
+  stands by serving for held runs alone: it would serve nothing while the microsteps it could
+  run wait; every cell trains, and the held runs start in the step's tail, where a cell turns to
+  serve for the runs the update releases (rule 3), so two steps' runs share its serving time.
+  On the moving-balance trace at staleness 2 (``bench.simulate --moving``) a cell had stood by
+  empty through every other token-heavy step, and a tool-heavy step's runs had waited an hour
+  in the queue while two cells idled in training: 76.51 h before, 72.47 h after.
 - ``async``: fixed pools; the core and the next ``train_cells - 1`` cells train, the rest serve.
 - ``colocate``: everyone serves until the trainable step's rollouts are all in, then everyone
   trains (running executions wait for a serving cell meanwhile).
@@ -173,7 +181,7 @@ def _held_ahead(view: SchedulerView, cfg: SchedulerConfig) -> int:
     the first ``staleness`` updates are coming, every step planned so far is on the critical path
     (nothing trains ahead of it yet), so its runs start as early as they can."""
     filling = view.updates_applied is not None and view.updates_applied < cfg.staleness
-    return 0 if filling else view.queued_ahead
+    return 0 if filling or not _training_due(view) else view.queued_ahead
 
 
 def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
@@ -183,17 +191,22 @@ def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> i
 
 def _cells_for(num_executions: int, view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
     need = math.ceil(num_executions / cfg.capacity_per_cell)
-    if view.queued + view.running > 0 or (view.rollouts_pending and not _update_gates_rollouts(view)):
+    held = _held_ahead(view, cfg)
+    if view.queued - held + view.running > 0 or (view.rollouts_pending and not _update_gates_rollouts(view, held)):
         need = max(need, cfg.min_serving_cells)
     return min(need, num_cells)
 
 
-def _update_gates_rollouts(view: SchedulerView) -> bool:
-    """Nothing is live and the trainable step's rollouts are all in or being graded (with nothing
-    live, a group not yet in has no run left): no rollout can start before its update lands (the
-    staleness bound), so no cell needs to stand by serving."""
+def _update_gates_rollouts(view: SchedulerView, held: int = 0) -> bool:
+    """Nothing is live but runs the lookahead holds back (``held``), and the trainable step's
+    rollouts are all in or being graded (with nothing live, a group not yet in has no run left),
+    or runs are held back (they are only while the step is due to train): no rollout the update
+    waits on can start before it lands (the staleness bound), so no cell needs to stand by
+    serving. A cell standing by for held runs would serve nothing while microsteps wait; the held
+    runs start once the step has none left to hand out (its tail), with the runs the update
+    releases."""
     all_in = (view.step_rollouts_done and view.train_demand > 0) or view.grading_groups > 0
-    return view.queued + view.running == 0 and all_in
+    return view.queued - held + view.running == 0 and (all_in or held > 0)
 
 
 def _run_over(view: SchedulerView) -> bool:

@@ -213,3 +213,30 @@ def test_every_policy_serves_everywhere_once_the_run_is_over():
 def test_steps_to_plan_is_the_staleness_bound():
     assert [steps_to_plan(version=v, staleness=1, total_steps=4) for v in range(5)] == [2, 3, 4, 4, 4]
     assert steps_to_plan(version=0, staleness=0, total_steps=4) == 1
+
+
+def test_elastic_held_runs_are_live_work_while_nothing_is_due_to_train():
+    # Staleness 2, pipeline full: 8 runs of the step after next are queued ("ahead"). While the
+    # trainable step has microsteps or groups being graded they wait for the slack of the nearer
+    # work (above); with nothing to train, the idle training cells serve them instead of idling
+    # (on the moving-balance trace a tool-heavy step's runs waited over an hour so).
+    cells = [cell(0, "train", core=True), cell(1, "train"), cell(2, running=4), cell(3, running=4)]
+    stale2 = dataclasses.replace(cfg(), staleness=2)
+    idle = dataclasses.replace(view(cells, queued=8, running=8, ahead=8), updates_applied=3)
+    assert moves(decide(idle, stale2)) == {(1, "serve"), (0, "serve")}
+    assert decide(dataclasses.replace(idle, train_demand=3, ready_microsteps=2), stale2) == []
+    assert decide(dataclasses.replace(idle, grading_groups=2), stale2) == []
+
+
+def test_elastic_stands_no_cell_by_for_held_runs_alone():
+    # The only live work is runs the lookahead holds back while microsteps wait: a cell standing
+    # by would serve nothing. Every cell trains; the held runs start in the step's tail, where a
+    # cell turns to serve for the runs the update releases.
+    cells = [cell(0, core=True), cell(1), cell(2), cell(3)]
+    stale2 = dataclasses.replace(cfg(), staleness=2)
+    held = dataclasses.replace(view(cells, queued=8, demand=6, ready=6, ahead=8), updates_applied=3)
+    assert moves(decide(held, stale2)) == {(0, "train"), (1, "train"), (2, "train"), (3, "train")}
+    # While the pipeline fills nothing is held: the 8 queued runs keep the two cells they need.
+    assert len(decide(dataclasses.replace(held, updates_applied=1), stale2)) == 2
+    # A nearer run queued keeps one standing by too.
+    assert len(decide(dataclasses.replace(held, queued=9), stale2)) == 3

@@ -121,7 +121,9 @@ bench: venv litellm claude-code
 	$(BIN)/python -m bench.elastic --runs-dir runs/bench-elastic
 	$(BIN)/python -m bench.elastic --workload drift --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-drift
 	$(BIN)/python -m bench.simulate --drift --fit runs/bench-elastic/result.json --calibrate runs/bench-elastic-drift/result.json
+	$(BIN)/python -m bench.elastic --workload moving --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-moving
 	$(BIN)/python -m bench.simulate --moving
+	$(BIN)/python -m bench.served_whatif bench/traces/p2_4t_moving.json --staleness 1 2
 
 # The GPU stack (engine=sglang trainer=megatron transfer=mooncake) in .venv-gpu, on a GPU node: the venv the
 # GPU recipes (slurm/gyre_122b.sbatch, gyre_2p4t.sbatch) and gpu-check run with (scripts/gpu_requirements.py).

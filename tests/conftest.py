@@ -75,7 +75,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: _weight(Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()))
 
 
+LONGEST_FILES = ("e2e/test_resume_loop.py", "e2e/test_megatron_cells.py", "e2e/test_harness_runs.py",
+                 "e2e/test_kill_services.py")
+"""Files of several minutes each (``--durations`` in CI): they start before the rest, else one
+of them left to the end runs alone while the other workers idle (the ten-kill resume loop did)."""
+
+
 def _weight(rel: str) -> int:
+    if rel in LONGEST_FILES:
+        return LONGEST_FILES.index(rel) - len(LONGEST_FILES)  # in the order listed
     if rel.startswith("slurm/"):
         return 0
     if rel.startswith("e2e/"):

@@ -33,9 +33,10 @@ def test_simulate_quick_without_a_measurement(capsys: pytest.CaptureFixture[str]
     assert finite(out["p2_4t_vs_async"]) and finite(out["p2_4t_vs_colocate"])
     # Never invented: no result file, no calibration error, and the reason says so.
     assert out["calibration_error"] is None and "no bench.elastic result file" in out["calibration"]["reason"]
-    assert {r["trace"] for r in out["table"]} == {"p2_4t", "p2_4t_drift", "p2_4t_moving", "p2_4t_curriculum",
-                                                  "nl2repo_122b", "nl2repo_122b_moving", "nl2repo_timeout_122b",
-                                                  "deepswe_122b", "terminalbench_122b"}
+    assert {r["trace"] for r in out["table"]} == {"p2_4t", "p2_4t_drift", "p2_4t_moving", "p2_4t_moving_eval",
+                                                  "p2_4t_moving_loss", "p2_4t_curriculum", "nl2repo_122b",
+                                                  "nl2repo_122b_moving", "nl2repo_timeout_122b", "deepswe_122b",
+                                                  "terminalbench_122b"}
     for row in out["table"]:
         assert set(row["hours"]) == {"elastic", "async", "colocate"} and all(finite(h) for h in row["hours"].values())
         assert all(v <= 1 for v in row["max_staleness"].values())  # every trace has staleness 1

@@ -35,6 +35,7 @@ model time per run is ``call_share`` +- 0.1, spread unevenly over its turns.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -170,6 +171,18 @@ def curriculum_phases(*, steps: int, tool_median_s: float, token_median_s: float
     return tuple(out)
 
 
+P2_4T_MOVING = Spec(
+    name="p2_4t_moving",
+    description=f"2.4T-like with a moving balance: tool-heavy and token-heavy task families alternate in "
+                f"blocks of {MOVING_BLOCK} steps (1 vs 10 shards a group; 1.5 h vs 0.35 h median runs, "
+                "45% vs 2% near the timeout)",
+    cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
+    phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
+    runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
+)
+"""The 2.4T-like moving-balance trace; its two variants below draw the same runs."""
+
+
 SPECS: tuple[Spec, ...] = (
     Spec(
         name="p2_4t",
@@ -187,31 +200,16 @@ SPECS: tuple[Spec, ...] = (
         cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD, phases=drift_phases(steps=P2_4T_WORKLOAD.steps),
         runs_per_phase=RUNS_PER_PHASE // DRIFT_PHASES * 2,  # a phase's 6 steps draw 768 runs from its 96
     ),
-    Spec(
-        name="p2_4t_moving",
-        description=f"2.4T-like with a moving balance: tool-heavy and token-heavy task families alternate in "
-                    f"blocks of {MOVING_BLOCK} steps (1 vs 10 shards a group; 1.5 h vs 0.35 h median runs, "
-                    "45% vs 2% near the timeout)",
-        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
-        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
-        runs_per_phase=RUNS_PER_PHASE // 4,  # a block's 6 steps draw 768 runs from its 96: the file stays small
-    ),
-    Spec(
-        name="p2_4t_moving_eval",
+    P2_4T_MOVING,
+    dataclasses.replace(
+        P2_4T_MOVING, name="p2_4t_moving_eval", pool_of=P2_4T_MOVING.name, eval=EvalRounds(every=4, runs=64),
         description="p2_4t_moving's runs with a held-out eval of 64 runs at every 4th version: rounds that "
-                    "only serve, beside the rollouts",
-        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
-        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
-        runs_per_phase=RUNS_PER_PHASE // 4, pool_of="p2_4t_moving", eval=EvalRounds(every=4, runs=64),
-    ),
-    Spec(
-        name="p2_4t_moving_loss",
+                    "only serve, beside the rollouts"),
+    dataclasses.replace(
+        P2_4T_MOVING, name="p2_4t_moving_loss", pool_of=P2_4T_MOVING.name,
+        cell_losses=(CellLoss(cell=3, at_version=24),),
         description="p2_4t_moving's runs with one satellite (cell 3) lost for good halfway, once version 24 is "
-                    "applied: three cells do the rest",
-        cells=P2_4T_CELLS, workload=P2_4T_WORKLOAD,
-        phases=moving_phases(steps=P2_4T_WORKLOAD.steps, tool_median_s=1.5 * HOUR, token_median_s=0.35 * HOUR),
-        runs_per_phase=RUNS_PER_PHASE // 4, pool_of="p2_4t_moving", cell_losses=(CellLoss(cell=3, at_version=24),),
-    ),
+                    "applied: three cells do the rest"),
     Spec(
         name="p2_4t_curriculum",
         description="2.4T-like with a monotone curriculum: from tool-heavy tasks (1.5 h median, 1 shard a group) "

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
                                        [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
     .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S]
-    .venv/bin/python -m bench.simulate --moving
+    .venv/bin/python -m bench.simulate --moving [--partial]
 
 ``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
 of ``bench/traces``), alone: every policy, every fixed split and both colocates, the bound and the
@@ -14,7 +14,12 @@ every policy. ``--moving``: the shipped moving-balance 2.4T-like trace (``p2_4t_
 staleness 1 and 2, with ``moving_vs_best_async``, ``moving_st2_vs_best_async``,
 ``moving_vs_colocate`` and ``moving_vs_bound`` (over the larger of the two bounds) last, and under
 ``variants`` the same runs with held-out eval rounds (``p2_4t_moving_eval``) and with a satellite
-lost halfway (``p2_4t_moving_loss``): every policy's hours and elastic's ratios.
+lost halfway (``p2_4t_moving_loss``): every policy's hours and elastic's ratios. ``--partial`` adds
+``partial_rollouts``, a what-if per staleness bound: every policy, split and colocate again with
+partial rollouts as slime runs them (``controller.simulator.simulate(partial=True)``: a step trains
+on the first groups graded and the groups still running train in a later step, kept whole), their
+hours beside the whole-step ones (``gain``), elastic's ratios, the groups carried and what it costs
+in staleness (``max_staleness``).
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -204,7 +209,7 @@ def trace_summary(trace: Trace, *, seed: int) -> dict[str, Any]:
     }
 
 
-def moving_summary(path: Path, *, seed: int) -> dict[str, Any]:
+def moving_summary(path: Path, *, seed: int, partial: bool = False) -> dict[str, Any]:
     """The moving-balance trace at staleness 1 and 2: elastic against the best split in hindsight,
     the better colocate and the larger bound, side by side from one run of each."""
     base = load_trace(path)
@@ -220,13 +225,49 @@ def moving_summary(path: Path, *, seed: int) -> dict[str, Any]:
             variants[summary["trace"]] = {key: summary[key] for key in (
                 "hours", "bound_h", "stall_free_bound_h", "best_split_cells", "elastic_vs_best_async",
                 "elastic_vs_colocate", "elastic_vs_bound")}
-    return {
+    out = {
         "trace": base.name, "moving_vs_best_async": at[1]["elastic_vs_best_async"],
         "moving_st2_vs_best_async": at[2]["elastic_vs_best_async"],
         "moving_vs_colocate": at[1]["elastic_vs_colocate"], "moving_vs_bound": at[1]["elastic_vs_bound"],
         "moving_st2_vs_colocate": at[2]["elastic_vs_colocate"], "moving_st2_vs_bound": at[2]["elastic_vs_bound"],
         "by_staleness": {str(s): summary for s, summary in at.items()},
         "variants": variants,
+    }
+    if partial:
+        out["partial_rollouts"] = {
+            str(s): partial_rollouts(dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=s)),
+                                     seed=seed, whole_h=at[s]["hours"]) for s in (1, 2)}
+    return out
+
+
+def partial_rollouts(trace: Trace, *, seed: int, whole_h: dict[str, float]) -> dict[str, Any]:
+    """What-if: every policy, every fixed split and both colocates with partial rollouts
+    (``simulate(partial=True)``: a step trains on the first groups graded, and the ones still
+    running train in a later step), beside ``whole_h``, the same runs without (``trace_summary``'s
+    hours). ``max_staleness`` is what they cost: the versions between a trained call and the
+    update it went into. No bound is given: both bounds keep a step waiting for its slowest run,
+    which partial rollouts drop."""
+    sims = {"elastic": simulate(trace, "elastic", seed=seed, partial=True),
+            "colocate": simulate(trace, "colocate", seed=seed, partial=True),
+            "colocate_sync": simulate(dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=0)),
+                                      "colocate", seed=seed, partial=True)}
+    for k in range(1, trace.cells.num_cells):
+        shape = dataclasses.replace(trace.workload, async_train_cells=k)
+        sims[f"async_{k}"] = simulate(dataclasses.replace(trace, workload=shape), "async", seed=seed, partial=True)
+    hours = {k: r.makespan_h for k, r in sims.items()}
+
+    def ratios(h: dict[str, float]) -> dict[str, float]:
+        best = min(v for k, v in h.items() if k.startswith("async_"))
+        return {"elastic_vs_best_async": best / h["elastic"],
+                "elastic_vs_colocate": min(h["colocate"], h["colocate_sync"]) / h["elastic"]}
+
+    return {
+        "hours": hours, **ratios(hours),
+        "whole_steps": {"hours": whole_h, **ratios(whole_h)},
+        "gain": {k: whole_h[k] / h for k, h in hours.items()},
+        "max_staleness": {k: r.max_staleness for k, r in sims.items()},
+        "carried_groups": {k: r.carried_groups for k, r in sims.items()},
+        "groups": trace.workload.steps * trace.workload.groups_per_step,
     }
 
 
@@ -556,9 +597,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--trace", type=Path, default=None, help="simulate this one trace file (any workload)")
     ap.add_argument("--staleness", type=int, default=None, help="with --trace: its staleness bound instead")
     ap.add_argument("--moving", action="store_true", help="the moving-balance 2.4T-like trace at staleness 1 and 2")
+    ap.add_argument("--partial", action="store_true",
+                    help="with --moving: the what-if of every policy with partial rollouts, beside it")
     args = ap.parse_args(argv)
+    if args.partial and not args.moving:
+        ap.error("--partial goes with --moving")
     if args.moving:
-        out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed)
+        out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed, partial=args.partial)
         print(json.dumps(out, sort_keys=True), flush=True)
         return out
     if args.trace is not None:

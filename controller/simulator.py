@@ -21,6 +21,12 @@ to every satellite. A serving cell keeps serving with its old weights while it l
 each call is stamped with the version that produced it; the result says how stale the trained
 data were and how long live work went without serving capacity.
 
+``partial=True`` is a what-if for partial rollouts as slime runs them (``bench.simulate --moving
+--partial``), for every policy alike: a step trains on the first groups graded, whichever step
+planned them, and the groups still running when it fills train in a later step, whole (GSPO needs
+every run of a group). Their calls are then as many versions staler (``max_staleness``) and the
+step does not wait for its slowest run. Gyre's controller keeps each group in its own step.
+
 A trace's ``eval`` rounds are queued as the controller's ``run.eval_every`` rounds are, once their
 version is applied, at that version's floor; its ``cell_losses`` kill a satellite once their
 version is applied, as a cell the controller drops: its calls move, its microsteps (and
@@ -135,6 +141,8 @@ class SimResult:
     cut_call_s: float
     """Model seconds the timeout cut off: what the timed-out runs had left to ask for. Stalling a
     run (colocate, while every cell trains) spends its timeout without a cell and raises this."""
+    carried_groups: int = 0
+    """Groups trained at a later step than the one planned for them (partial rollouts only)."""
 
     @property
     def makespan_h(self) -> float:
@@ -174,17 +182,26 @@ or each run's share once that run is (a what-if; see the module docstring)."""
 
 
 def simulate(trace: Trace, kind: str, *, seed: int = 0, runs: RunSource | None = None,
-             release: Release = "group") -> SimResult:
+             release: Release = "group", partial: bool = False) -> SimResult:
     """Run ``trace`` to its last step under policy ``kind``; ``runs`` replaces the trace's pool."""
-    sim = Simulation(trace, scheduler_config(trace, kind), runs or pool_source(trace, seed), release=release)
+    sim = Simulation(trace, scheduler_config(trace, kind), runs or pool_source(trace, seed), release=release,
+                     partial=partial)
     return sim.run()
 
 
 class Simulation:
-    def __init__(self, trace: Trace, cfg: SchedulerConfig, runs: RunSource, *, release: Release = "group"):
+    def __init__(self, trace: Trace, cfg: SchedulerConfig, runs: RunSource, *, release: Release = "group",
+                 partial: bool = False):
         if release not in ("group", "run"):
             raise ValueError(f"release={release!r}: 'group' or 'run'")
+        if partial and release != "group":
+            raise ValueError("partial rollouts fill steps with whole groups: release='group' only")
         self.release = release
+        self.partial = partial
+        self.filled: dict[int, int] = {}
+        """Step -> groups it trains so far (``partial``: the first groups graded fill the steps in order)."""
+        self.carried = 0
+        """Groups trained at a later step than the one they were planned for (``partial``)."""
         self.released: dict[str, float] = {}
         """Group id -> microsteps already released by its graded runs (``release="run"``)."""
         self.trace = trace
@@ -394,6 +411,9 @@ class Simulation:
         st = self.steps.current
         if st is None:
             return 0
+        if self.partial:  # whichever groups are graded first fill the trainable step
+            ended = sum(1 for g in self.groups.values() if all(e.state == "ended" for e in g))
+            return min(ended, self.wl.groups_per_step - self.filled.get(st.step, 0))
         return sum(1 for g in self.groups.values() if g[0].step == st.step and all(e.state == "ended" for e in g))
 
     def apply_schedule(self) -> None:
@@ -554,17 +574,32 @@ class Simulation:
 
     def group_ready(self, gid: str) -> None:
         group = self.groups.pop(gid)
-        step = group[0].step
+        step = self.step_to_fill(group[0].step)
         versions = [v for ex in group for v in ex.call_versions]
         if versions:
             self.max_staleness = max(self.max_staleness, step - min(versions))
-        n = self.trace.microsteps_of_step(step)
+        n = self.trace.microsteps_of_step(group[0].step)  # the group's own data, wherever it trains
         first = min(int(self.released.pop(gid, 0.0) + EPS), n - 1)  # the last shard carries the group
         for k in range(first, n):
             self.steps.on_shard(Shard(step=step, shard_id=f"{gid}-m{k}", num_executions=len(group) if k == first else 0,
                                       sequences=[]))
         self.steps.on_group_done(GroupDone(group_id=gid, step=step, num_usable=len(group), mean_reward=0.0))
         self.dirty = True
+
+    def step_to_fill(self, planned: int) -> int:
+        """The step a graded group trains in: the one it was planned for, or with ``partial`` the
+        first step not yet full from the trainable one on (slime's partial rollouts, the group
+        kept whole: a step trains on the first groups graded, and the ones still running when it
+        fills go to a later step, their calls up to that many versions staler). A slot is always
+        there: every step planned so far expects as many groups as were planned."""
+        if not self.partial:
+            return planned
+        step = self.steps.version
+        while self.filled.get(step, 0) >= self.wl.groups_per_step:
+            step += 1
+        self.filled[step] = self.filled.get(step, 0) + 1
+        self.carried += step > planned
+        return step
 
     # ================================================================ events: cells
 
@@ -649,6 +684,7 @@ class Simulation:
             max_demand_wait_s=self.max_demand_wait, overcommit_s=self.overcommit, stalled_call_s=self.stalled,
             slot_s=self.slot_s, held_s=self.held_s, switching_s=self.switching_s,
             call_s=sum(sum(ex.segments[0::2]) for ex in self.executions), cut_call_s=self.cut_call_s,
+            carried_groups=self.carried,
         )
 
     def describe(self) -> str:

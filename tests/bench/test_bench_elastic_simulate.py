@@ -182,3 +182,24 @@ def test_simulate_moving_prints_the_moving_balance_keys(capsys: pytest.CaptureFi
     for name, v in out["variants"].items():
         assert set(v["hours"]) == {"elastic", "colocate", "colocate_sync", "async_1", "async_2", "async_3"}, name
         assert all(finite(h) and h > 0 for h in v["hours"].values()) and v["elastic_vs_bound"] >= 1.0, name
+
+
+def test_partial_rollouts_what_if_runs_every_policy_beside_whole_steps():
+    # The moving trace's first six steps: every policy and split again with partial rollouts.
+    base = simulate.load_trace(simulate.TRACES / "p2_4t_moving.json")
+    trace = simulate.dataclasses.replace(base, workload=simulate.dataclasses.replace(base.workload, steps=6))
+    whole = simulate.trace_summary(trace, seed=0)["hours"]
+    out = simulate.partial_rollouts(trace, seed=0, whole_h=whole)
+    assert set(out["hours"]) == set(whole) == set(out["gain"]) == set(out["max_staleness"])
+    assert all(finite(h) and h > 0 for h in out["hours"].values())
+    assert out["gain"]["elastic"] == pytest.approx(whole["elastic"] / out["hours"]["elastic"])
+    assert out["elastic_vs_best_async"] == pytest.approx(
+        min(h for k, h in out["hours"].items() if k.startswith("async_")) / out["hours"]["elastic"])
+    # Staleness 0 plans one step at a time: nothing to carry, and nothing staler than planned.
+    assert out["carried_groups"]["colocate_sync"] == 0 and out["max_staleness"]["colocate_sync"] == 0
+    assert out["groups"] == 6 * trace.workload.groups_per_step
+
+
+def test_partial_goes_with_moving():
+    with pytest.raises(SystemExit):
+        simulate.main(["--partial"])

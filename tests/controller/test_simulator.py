@@ -87,6 +87,25 @@ def test_what_if_runs_release_their_microsteps_as_they_are_graded():
         simulate(trace, "elastic", release="shard")
 
 
+def test_what_if_partial_rollouts_train_the_first_groups_graded_and_carry_the_straggler():
+    # Two steps of two groups, staleness 1, so both steps' runs start at once. Group s0-g0 has a
+    # straggler (think 40). Without partial rollouts step 0 waits for it; with them step 0 trains
+    # s0-g1 and whichever group of step 1 is graded next, and s0-g0 trains in step 1, one version
+    # later than planned: the staleness they cost.
+    def runs(execution_id: str, _step: int) -> tuple[float, ...]:
+        return (1.0, 40.0) if execution_id == "s0-g0-e0" else (1.0, 2.0)
+
+    trace = tiny(workload=dataclasses.replace(tiny().workload, steps=2, groups_per_step=2, staleness=1))
+    for kind in ("elastic", "async", "colocate"):
+        whole = simulate(trace, kind, runs=runs)
+        partial = simulate(trace, kind, runs=runs, partial=True)
+        assert whole.carried_groups == 0 and partial.carried_groups == 1, kind
+        assert partial.num_executions == whole.num_executions == 8, kind  # every run trained once
+        assert partial.step_done_s[0] < 41.0 < whole.step_done_s[0], kind  # step 0 did not wait
+    with pytest.raises(ValueError, match="partial"):
+        simulate(trace, "elastic", runs=runs, release="run", partial=True)
+
+
 def test_calls_share_the_compute_slots_with_microsteps():
     # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 the runs
     # end; then the core's switch (covering the grading), its microstep and the apply.

@@ -41,8 +41,11 @@ calibration is out of sample (below).
 Calibration: ``--calibrate`` takes a ``bench.elastic`` result file and predicts its run: the
 simulator is given that run's setup (4 cells, capacity, workload with its drift, staleness, and
 the think time of every execution, from the same function the harness used) and measured costs
-(median switch times, weight loads, microstep and apply times, call latency, each run's own
-overhead drawn from its measured spread, the shard latency), simulates every policy the run
+(median switch times, weight loads, microstep and apply times, call latency, the shard latency,
+and harness starts that share the machine's cores: the CPU time of one start is fitted so that the
+cost run's own elastic run starts its runs in the median overhead it measured, ``launch_cpu_s``;
+a policy that starts a whole step's runs at once then waits longer for them than one whose runs
+start a few at a time, as measured: 3.9 s against 0.6 s), simulates every policy the run
 measured (each async split, both colocates), and ``calibration_error`` is the larger of
 |predicted ratio - measured ratio| / measured over ``elastic_vs_best_async`` and
 ``elastic_vs_colocate``. With ``--fit`` the costs come from *another* run (out of sample: a
@@ -373,7 +376,8 @@ def embedded_setup(result: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = None) -> tuple[Trace, RunSource, list[str]]:
+def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = None,
+                   launch_cpu_s: float | None = None) -> tuple[Trace, RunSource, list[str]]:
     """The bench.elastic setup of ``result`` as a trace. Its workload is replayed: the harness's
     own think times and ``workload.drift``'s shapes, and the shards and tokens each step made
     (``step_training``). ``costs`` (another run's ``calibration``, for an out-of-sample
@@ -400,11 +404,18 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
         compute_slots=max(cpus, cl["num_cells"]) if paced else cpus, reroute_s=0.0,
     )
     per_step, assumed_shards = step_training(result["calibration"], cal, steps, wl["groups_per_step"])
+    # Harness starts share the machine's cores: a step's runs start together and each waits for
+    # the others (measured: a run's overhead was 3.9 s under elastic and 0.6 s with one serving
+    # cell, whose runs start a few at a time). The CPU time of one start is fitted to the cost
+    # run's own elastic overhead (``launch_cpu_s``); ``launch_cpu_s=None`` draws each run's
+    # overhead from the measured spread instead, as if it did not depend on the policy.
+    contended = launch_cpu_s is not None
     shape = WorkloadShape(
         steps=steps, groups_per_step=wl["groups_per_step"], group_size=wl["group_size"],
         timeout_s=float(wl["timeout_s"]), microsteps_per_group=per_step[0][0],
-        launch_s=0.0 if cal.get("run_overhead_s_quantiles") else cal["launch_s"],
+        launch_s=launch_cpu_s if contended else 0.0 if cal.get("run_overhead_s_quantiles") else cal["launch_s"],
         grade_s=cal.get("grade_s") or GRADE_S_ASSUMED, staleness=result["config"]["staleness"], async_train_cells=sch["train_cells"] or 1,
+        launch_cpus=cpus if contended else 0,
     )
     phases = tuple(Phase(name=f"step{s}", first_step=s, runs=(0, 1), microsteps_per_group=n, microstep_s=t)
                    for s, (n, t) in enumerate(per_step) if s == 0 or (n, t) != per_step[s - 1])
@@ -414,7 +425,7 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
     # The first call of a run carries its prompt's prefill and starts with the rest of its step;
     # older result files lack the figure and fall back to the typical call.
     first_s = cal.get("first_call_s_median") or call_s
-    overheads = cal.get("run_overhead_s_quantiles")
+    overheads = None if contended else cal.get("run_overhead_s_quantiles")
 
     def runs(execution_id: str, step: int) -> tuple[float, ...]:
         out: list[float] = []
@@ -431,6 +442,26 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
 
     assumed = [f"grad_transfer_s={GRAD_TRANSFER_S_ASSUMED}"] + ([] if cal.get("grade_s") else [f"grade_s={GRADE_S_ASSUMED}"])
     return trace, runs, assumed + assumed_shards
+
+
+def fit_launch_cpu_s(result: dict[str, Any], *, iterations: int = 14) -> float | None:
+    """The CPU seconds of one harness start on the machine of ``result``: the value for which the
+    simulated elastic run of ``result``'s own setup starts its runs in the median overhead its
+    elastic run measured (``launch_s``), the starts under way sharing the machine's cores. None
+    for result files without the overhead's spread (older ones)."""
+    cal = result["calibration"]
+    target = cal.get("launch_s")
+    if not cal.get("run_overhead_s_quantiles") or not isinstance(target, (int, float)) or target <= 0:
+        return None
+    lo, hi = 0.0, float(target)  # alone, a start takes its CPU time: never more than the overhead
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        trace, runs, _ = embedded_trace(result, launch_cpu_s=mid)
+        if simulate(trace, "elastic", runs=runs).start_s_median < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def step_training(workload_cal: dict[str, Any], cost_cal: dict[str, Any], steps: int,
@@ -493,7 +524,9 @@ def calibrate(path: Path | None, fit: Path | None = None) -> dict[str, Any]:
     try:
         result = load_result(path)
         fitted = load_result(fit) if fit is not None else None
-        trace, runs, assumed = embedded_trace(result, costs=fitted["calibration"] if fitted else None)
+        launch_cpu_s = fit_launch_cpu_s(fitted or result)
+        trace, runs, assumed = embedded_trace(result, costs=fitted["calibration"] if fitted else None,
+                                              launch_cpu_s=launch_cpu_s)
     except (CalibrationError, TraceError, OSError, KeyError, TypeError, ValueError) as exc:
         return {"error": None, "reason": f"cannot calibrate: {exc}"}
     release = embedded_setup(result)["algo"].get("release", "group")
@@ -519,6 +552,10 @@ def calibrate(path: Path | None, fit: Path | None = None) -> dict[str, Any]:
                                       "elastic_vs_colocate": min(v.makespan_s for k, v in sims.items() if k.startswith("colocate")) / bound},
         "release": release,
         "throughput_vs_best_async": throughput_what_if(trace, runs)["ratio"],
+        # harness starts sharing the cores: one start's CPU seconds, fitted to the cost run's
+        # elastic overhead, and the median start each policy then has (measured: bench.elastic's
+        # run_overhead_s)
+        "launch_cpu_s": launch_cpu_s, "predicted_start_s": {k: r.start_s_median for k, r in sims.items()},
     }
     if fit is None:
         # The same, each policy's microsteps at the mean its own run measured: on a machine whose

@@ -80,6 +80,8 @@ class SimExecution:
     in_call: bool = False
     call_left: float = 0.0
     timed_out: bool = False
+    started_at: float | None = None
+    """When its harness had started (``launch_s`` after launch, or later while starts share CPUs)."""
     call_versions: list[int] = field(default_factory=list)
     train: bool = True
     """False for a held-out eval run (the trace's ``eval``): it needs serving and trains nothing."""
@@ -143,6 +145,9 @@ class SimResult:
     run (colocate, while every cell trains) spends its timeout without a cell and raises this."""
     carried_groups: int = 0
     """Groups trained at a later step than the one planned for them (partial rollouts only)."""
+    start_s_median: float = 0.0
+    """Median seconds from a training run's launch to its harness started, or was cut by the
+    timeout still starting (``launch_s`` unless ``workload.launch_cpus`` makes starts share CPUs)."""
 
     @property
     def makespan_h(self) -> float:
@@ -233,6 +238,10 @@ class Simulation:
         self.held_s = 0.0
         self.switching_s = 0.0
         self.cut_call_s = 0.0
+        self.starting: list = []
+        """Harness starts under way when ``workload.launch_cpus`` > 0: (start-clock at which it
+        is done, seq, execution), all progressing at ``start_rate``."""
+        self.sclock = 0.0
         self.dirty = True
 
     # ================================================================ the loop
@@ -273,6 +282,8 @@ class Simulation:
         active = [c.microstep_end for c in self.cells if c.microstep_end is not None]
         if active:
             best = min(best, self.t + max(0.0, min(active) - self.tclock) / self.train_rate())
+        if self.starting:
+            best = min(best, self.t + max(0.0, self.starting[0][0] - self.sclock) / self.start_rate())
         return best
 
     def advance(self, t_next: float) -> None:
@@ -295,6 +306,8 @@ class Simulation:
                 c.computed_s += dt
         if any(c.microstep_end is not None for c in self.cells):
             self.tclock += self.train_rate() * dt
+        if self.starting:
+            self.sclock += self.start_rate() * dt
         self.t = t_next
 
     def fire_due(self) -> None:
@@ -308,6 +321,8 @@ class Simulation:
         for c in self.cells:
             if c.microstep_end is not None and c.microstep_end <= self.tclock + EPS:
                 self.microstep_done(c)
+        while self.starting and self.starting[0][0] <= self.sclock + EPS:
+            self.started(heapq.heappop(self.starting)[2])
 
     def at(self, delay: float, handler: Callable, *args: object) -> None:
         heapq.heappush(self.events, (self.t + delay, next(self.seq), handler, args))
@@ -329,6 +344,10 @@ class Simulation:
         busy = sum(1 for c in self.cells if c.microstep_end is not None
                    or (c.phase == "serving" and self._top_call(c) is not None))
         return min(1.0, self.cc.compute_slots / max(1, busy))
+
+    def start_rate(self) -> float:
+        """Speed of each harness start under way: one CPU each while they fit in ``launch_cpus``."""
+        return min(1.0, self.wl.launch_cpus / max(1, len(self.starting)))
 
     def _top_call(self, c: SimCell) -> tuple | None:
         while c.calls:
@@ -363,7 +382,10 @@ class Simulation:
             self.num_running += 1
             room -= 1
             self.at(self.wl.timeout_s, self.timeout, ex)
-            self.at(self.wl.launch_s, self.start_segment, ex)
+            if self.wl.launch_cpus:
+                heapq.heappush(self.starting, (self.sclock + self.wl.launch_s, next(self.seq), ex))
+            else:
+                self.at(self.wl.launch_s, self.started, ex)
             self.dirty = True
 
     def reroute_waiting(self) -> None:
@@ -460,6 +482,11 @@ class Simulation:
 
     # ================================================================ events: executions
 
+    def started(self, ex: SimExecution) -> None:
+        if ex.state == "running":
+            ex.started_at = self.t
+            self.start_segment(ex)
+
     def start_segment(self, ex: SimExecution) -> None:
         if ex.state != "running":
             return
@@ -533,6 +560,9 @@ class Simulation:
     def end(self, ex: SimExecution, *, timed_out: bool) -> None:
         if timed_out:
             self.cut_call_s += self.calls_left(ex)
+        if ex.started_at is None and self.starting:  # killed while its harness started: its CPU share frees
+            self.starting = [item for item in self.starting if item[2] is not ex]
+            heapq.heapify(self.starting)
         ex.state, ex.ended_at, ex.timed_out = "ended", self.t, timed_out
         ex.call_seq += 1
         ex.in_call = False
@@ -684,7 +714,8 @@ class Simulation:
             max_demand_wait_s=self.max_demand_wait, overcommit_s=self.overcommit, stalled_call_s=self.stalled,
             slot_s=self.slot_s, held_s=self.held_s, switching_s=self.switching_s,
             call_s=sum(sum(ex.segments[0::2]) for ex in self.executions), cut_call_s=self.cut_call_s,
-            carried_groups=self.carried,
+            carried_groups=self.carried, start_s_median=_median([
+                (ex.ended_at if ex.started_at is None else ex.started_at) - ex.launched_at for ex in ended]),
         )
 
     def describe(self) -> str:
@@ -693,3 +724,8 @@ class Simulation:
         return (f"t={self.t:.1f}s version {self.steps.version}/{self.wl.steps} planned {self.planned} "
                 f"queued {len(self.queue)} running {self.num_running} waiting {len(self.waiting)} "
                 f"demand {self.steps.train_demand()} rollouts_done {st.rollouts_done if st else None} | {phases}")
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0

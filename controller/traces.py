@@ -25,14 +25,15 @@ Two optional keys (absent: none, so older files load as they were): ``eval`` pla
 round of ``runs`` runs at every ``every``-th weight version (not the last), drawn from that step's
 slice; they need serving and train nothing. ``cell_losses`` kills a satellite (never cell 0, the
 core) once a weight version is applied: its calls move elsewhere, its microsteps are trained
-again, and it never comes back.
+again, and it never comes back. ``workload.launch_cpus`` is optional too (absent: 0, each start
+takes ``launch_s``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +97,17 @@ class WorkloadShape:
     """Step s trains on data from weight versions >= s - staleness; the same for every policy."""
     async_train_cells: int
     """The fixed training pool of the ``async`` baseline."""
+    launch_cpus: int = 0
+    """0 (the key left out): every harness starts in ``launch_s``. N > 0: ``launch_s`` is the CPU
+    time one start takes, and the starts under way share N CPUs, as on the embedded machine, where
+    a step's harnesses start together on a few cores; a start alone still takes ``launch_s``."""
 
     def check(self) -> None:
         _positive("workload", steps=self.steps, groups_per_step=self.groups_per_step, group_size=self.group_size,
                   timeout_s=self.timeout_s, microsteps_per_group=self.microsteps_per_group,
                   async_train_cells=self.async_train_cells)
-        _non_negative("workload", launch_s=self.launch_s, grade_s=self.grade_s, staleness=self.staleness)
+        _non_negative("workload", launch_s=self.launch_s, grade_s=self.grade_s, staleness=self.staleness,
+                      launch_cpus=self.launch_cpus)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,7 +240,7 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
     return {
         "format": FORMAT, "name": trace.name, "description": trace.description, "generator": trace.generator,
         "cells": {f.name: getattr(trace.cells, f.name) for f in fields(CellCosts)},
-        "workload": {f.name: getattr(trace.workload, f.name) for f in fields(WorkloadShape)},
+        "workload": _fields_json(trace.workload),
         "reference_h": trace.reference_h,
         "phases": [{"name": ph.name, "first_step": ph.first_step, "runs": list(ph.runs)}
                    | ({"microsteps_per_group": ph.microsteps_per_group} if ph.microsteps_per_group else {})
@@ -263,11 +269,21 @@ def _mapping(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
     return raw
 
 
+def _fields_json(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, less the optional ones left at their default (older readers and
+    files stay as they were)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)
+            if f.default is MISSING or getattr(obj, f.name) != f.default}
+
+
 def _dataclass(cls: type, raw: Any, where: str) -> Any:
     names = {f.name: f.type for f in fields(cls)}
-    obj = _mapping(raw, where, set(names))
+    optional = {f.name for f in fields(cls) if f.default is not MISSING}
+    obj = _mapping(raw, where, (set(names) - optional) | (optional & (set(raw) if isinstance(raw, dict) else set())))
     kwargs = {}
     for name, hint in names.items():
+        if name not in obj:
+            continue
         value = obj[name]
         if hint in ("int", int):
             if type(value) is not int:

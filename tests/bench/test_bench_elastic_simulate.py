@@ -88,6 +88,25 @@ def test_simulate_drift_predicts_a_drifting_run_from_a_stationary_one(capsys: py
     assert in_sample["in_sample"] is True and in_sample["trace"]["microstep_s"] != fit["microstep_s"]
 
 
+def test_harness_starts_share_the_cores_fitted_to_the_cost_run():
+    # The CPU time of one start is fitted so that the cost run's own elastic starts its runs in
+    # the median overhead it measured; its other policies then start theirs as the sharing
+    # gives (colocate starts two steps' runs at once, so waits about twice as long).
+    stationary = simulate.load_result(simulate.RESULTS / "elastic-stationary.json")
+    cpu_s = simulate.fit_launch_cpu_s(stationary)
+    assert cpu_s is not None and 0 < cpu_s < stationary["calibration"]["launch_s"] / 4
+    cal = simulate.calibrate(simulate.DRIFT_RESULT, simulate.FIT_RESULT)
+    assert cal["launch_cpu_s"] == cpu_s and cal["trace"]["launch_cpus"] == stationary["host"]["cpu_count"]
+    in_sample = simulate.calibrate(simulate.FIT_RESULT)
+    assert in_sample["predicted_start_s"]["elastic"] == pytest.approx(stationary["calibration"]["launch_s"], rel=0.02)
+    assert in_sample["predicted_start_s"]["colocate"] > 1.5 * in_sample["predicted_start_s"]["elastic"]
+    # A result file without the overhead's spread keeps the fixed start it measured.
+    old = {**stationary, "calibration": {**stationary["calibration"], "run_overhead_s_quantiles": None}}
+    assert simulate.fit_launch_cpu_s(old) is None
+    trace, _, _ = simulate.embedded_trace(old)
+    assert trace.workload.launch_cpus == 0 and trace.workload.launch_s == stationary["calibration"]["launch_s"]
+
+
 def test_simulate_refuses_a_file_that_is_not_a_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     bad = tmp_path / "result.json"
     bad.write_text(json.dumps({"elastic_vs_async": 1.2}))

@@ -106,6 +106,23 @@ def test_what_if_partial_rollouts_train_the_first_groups_graded_and_carry_the_st
         simulate(trace, "elastic", runs=runs, release="run", partial=True)
 
 
+def test_harness_starts_share_the_launch_cpus():
+    # Two runs start at once, each needing launch_s = 0.5 s of CPU. On one CPU they share it and
+    # both start at 1.0: the runs end at 1.0 + 1 + 2 = 4.0, and elastic's 7.5 (by hand, above)
+    # becomes 8.0. On two CPUs neither waits.
+    one = tiny(workload=dataclasses.replace(tiny().workload, launch_cpus=1))
+    r = simulate(one, "elastic")
+    assert r.makespan_s == pytest.approx(8.0) and r.start_s_median == pytest.approx(1.0)
+    two = simulate(tiny(workload=dataclasses.replace(tiny().workload, launch_cpus=2)), "elastic")
+    assert two.makespan_s == pytest.approx(7.5) and two.start_s_median == pytest.approx(0.5)
+    # Cut by the timeout while still starting: the run counts the time it waited, and is graded.
+    cut = simulate(dataclasses.replace(one, workload=dataclasses.replace(one.workload, timeout_s=0.75)), "elastic")
+    assert cut.num_timed_out == 2 and cut.start_s_median == pytest.approx(0.75)
+    # The key is optional in a trace file: written only when set, and absent it is 0.
+    assert "launch_cpus" not in trace_to_json(tiny())["workload"]
+    assert parse_trace(json.loads(json.dumps(trace_to_json(one)))) == one
+
+
 def test_calls_share_the_compute_slots_with_microsteps():
     # One compute slot: two cells calling at once run at half speed each: 0.5 + 2 + 2 = 4.5 the runs
     # end; then the core's switch (covering the grading), its microstep and the apply.
@@ -282,6 +299,9 @@ def raw() -> dict:
     (lambda d: d.update(cell_losses=[{"cell": 9, "at_version": 1}]), "want a satellite"),
     (lambda d: d.update(cell_losses=[{"cell": 1, "at_version": 1.5}]), "cell_losses[0].at_version: want an integer"),
     (lambda d: d.update(cell_losses={"cell": 1}), "cell_losses: want a list"),
+    (lambda d: d["workload"].update(launch_cpus=-1), "workload.launch_cpus: want >= 0"),
+    (lambda d: d["workload"].update(launch_cpus=1.5), "workload.launch_cpus: want an integer"),
+    (lambda d: d["workload"].update(launch_cores=2), "unknown ['launch_cores']"),
 ])
 def test_bad_trace_files_are_refused_naming_the_field(mutate, message):
     d = raw()

@@ -3,8 +3,9 @@
 Real here, unchanged: ``scheduler.decide`` (every policy), ``scheduler.steps_to_plan`` (the
 staleness bound) and ``steps.StepCoordinator`` (microstep assignment, gradient gathering, the apply
 on the core, busy cells, training demand). Simulated: cells (switch costs, weight pulls; cells
-that compute, a microstep or calls in flight, share ``compute_slots``), harness runs (call and think segments from
-a trace, killed at the timeout), the proxy (sticky least-loaded routing among the cells whose weight version
+that compute, a microstep or calls in flight, share ``compute_slots``), harness runs (a start of ``launch_s``, or
+with ``workload.launch_cpus`` that much CPU time shared with the other starts under way; then call and think
+segments from a trace; killed at the timeout), the proxy (sticky least-loaded routing among the cells whose weight version
 the execution's step may use (the floor in its token); a call whose cell leaves serving moves to another one and pays
 ``reroute_s``; with no such cell a call waits) and the processor (a group's shards come ``grade_s`` after its last run ends).
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
                                        [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
-    .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S]
+    .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S] [--partial]
     .venv/bin/python -m bench.simulate --moving [--partial]
 
 ``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
@@ -19,7 +19,8 @@ lost halfway (``p2_4t_moving_loss``): every policy's hours and elastic's ratios.
 partial rollouts as slime runs them (``controller.simulator.simulate(partial=True)``: a step trains
 on the first groups graded and the groups still running train in a later step, kept whole), their
 hours beside the whole-step ones (``gain``), elastic's ratios, the groups carried and what it costs
-in staleness (``max_staleness``).
+in staleness (``max_staleness``). With ``--trace``, ``--partial`` adds the same for that trace, at its
+staleness bound.
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -635,16 +636,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--staleness", type=int, default=None, help="with --trace: its staleness bound instead")
     ap.add_argument("--moving", action="store_true", help="the moving-balance 2.4T-like trace at staleness 1 and 2")
     ap.add_argument("--partial", action="store_true",
-                    help="with --moving: the what-if of every policy with partial rollouts, beside it")
+                    help="with --moving or --trace: the what-if of every policy with partial rollouts, beside it")
     args = ap.parse_args(argv)
-    if args.partial and not args.moving:
-        ap.error("--partial goes with --moving")
+    if args.partial and not (args.moving or args.trace):
+        ap.error("--partial goes with --moving or --trace")
     if args.moving:
         out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed, partial=args.partial)
         print(json.dumps(out, sort_keys=True), flush=True)
         return out
     if args.trace is not None:
-        out = trace_summary(_load_user_trace(ap, args.trace, args.staleness), seed=args.seed)
+        trace = _load_user_trace(ap, args.trace, args.staleness)
+        out = trace_summary(trace, seed=args.seed)
+        if args.partial:
+            out["partial_rollouts"] = partial_rollouts(trace, seed=args.seed, whole_h=out["hours"])
         print(json.dumps(out, sort_keys=True), flush=True)
         return out
     if args.staleness is not None:

@@ -176,8 +176,11 @@ def test_simulate_any_trace_file_a_user_brings(tmp_path: Path, capsys: pytest.Ca
     trace["workload"]["steps"] = 4
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(trace))
-    out = last_json(capsys, simulate.main, ["--trace", str(path), "--staleness", "2"])
+    out = last_json(capsys, simulate.main, ["--trace", str(path), "--staleness", "2", "--partial"])
     assert (out["steps"], out["staleness"], out["cells"]) == (4, 2, 4)
+    partial = out["partial_rollouts"]  # the same trace with partial rollouts, beside the table's hours
+    assert partial["whole_steps"]["hours"] == out["hours"] and set(partial["hours"]) == set(out["hours"])
+    assert partial["max_staleness"]["colocate_sync"] == 0 and partial["groups"] == 4 * trace["workload"]["groups_per_step"]
     assert set(out["hours"]) == {"elastic", "colocate", "colocate_sync", "async_1", "async_2", "async_3"}
     best = min(out["hours"][f"async_{k}"] for k in (1, 2, 3))
     assert out["elastic_vs_best_async"] == pytest.approx(best / out["hours"]["elastic"])

@@ -46,7 +46,7 @@ the think time of every execution, from the same function the harness used) and 
 and harness starts that share the machine's cores: the CPU time of one start is fitted so that the
 cost run's own elastic run starts its runs in the median overhead it measured, ``launch_cpu_s``;
 a policy that starts a whole step's runs at once then waits longer for them than one whose runs
-start a few at a time, as measured: 3.9 s against 0.6 s), simulates every policy the run
+start a few at a time, as measured: 3.9 s against 0.7 s on 2026-12-06), simulates every policy the run
 measured (each async split, both colocates), and ``calibration_error`` is the larger of
 |predicted ratio - measured ratio| / measured over ``elastic_vs_best_async`` and
 ``elastic_vs_colocate``. With ``--fit`` the costs come from *another* run (out of sample: a
@@ -251,13 +251,9 @@ def partial_rollouts(trace: Trace, *, seed: int, whole_h: dict[str, float]) -> d
     hours). ``max_staleness`` is what they cost: the versions between a trained call and the
     update it went into. No bound is given: both bounds keep a step waiting for its slowest run,
     which partial rollouts drop."""
-    sims = {"elastic": simulate(trace, "elastic", seed=seed, partial=True),
-            "colocate": simulate(trace, "colocate", seed=seed, partial=True),
-            "colocate_sync": simulate(dataclasses.replace(trace, workload=dataclasses.replace(trace.workload, staleness=0)),
-                                      "colocate", seed=seed, partial=True)}
-    for k in range(1, trace.cells.num_cells):
-        shape = dataclasses.replace(trace.workload, async_train_cells=k)
-        sims[f"async_{k}"] = simulate(dataclasses.replace(trace, workload=shape), "async", seed=seed, partial=True)
+    labels = ["elastic", "colocate", "colocate-sync"] + [f"async-{k}" for k in range(1, trace.cells.num_cells)]
+    # keyed as trace_summary's hours; each run draws from a pool of its own (pool_source is consumed)
+    sims = {label.replace("-", "_"): sim_policy(trace, label, pool_source(trace, seed), partial=True) for label in labels}
     hours = {k: r.makespan_h for k, r in sims.items()}
 
     def ratios(h: dict[str, float]) -> dict[str, float]:
@@ -406,7 +402,7 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
     )
     per_step, assumed_shards = step_training(result["calibration"], cal, steps, wl["groups_per_step"])
     # Harness starts share the machine's cores: a step's runs start together and each waits for
-    # the others (measured: a run's overhead was 3.9 s under elastic and 0.6 s with one serving
+    # the others (measured: a run's overhead was 3.9 s under elastic and 0.7 s with one serving
     # cell, whose runs start a few at a time). The CPU time of one start is fitted to the cost
     # run's own elastic overhead (``launch_cpu_s``); ``launch_cpu_s=None`` draws each run's
     # overhead from the measured spread instead, as if it did not depend on the policy.
@@ -492,16 +488,17 @@ def draw(quantiles: list[float], key: str) -> float:
     return quantiles[i] + (u - i) * (quantiles[i + 1] - quantiles[i])
 
 
-def sim_policy(trace: Trace, label: str, runs: RunSource, release: Release) -> SimResult:
+def sim_policy(trace: Trace, label: str, runs: RunSource, release: Release = "group", *,
+               partial: bool = False) -> SimResult:
     """One of bench.elastic's runs by its label: a policy, ``async-K`` (K training cells) or
     ``colocate-sync`` (colocate at staleness 0)."""
     if label.startswith("async-"):
         wl = dataclasses.replace(trace.workload, async_train_cells=int(label.split("-", 1)[1]))
-        return simulate(dataclasses.replace(trace, workload=wl), "async", runs=runs, release=release)
+        return simulate(dataclasses.replace(trace, workload=wl), "async", runs=runs, release=release, partial=partial)
     if label == "colocate-sync":
         wl = dataclasses.replace(trace.workload, staleness=0)
-        return simulate(dataclasses.replace(trace, workload=wl), "colocate", runs=runs, release=release)
-    return simulate(trace, label, runs=runs, release=release)
+        return simulate(dataclasses.replace(trace, workload=wl), "colocate", runs=runs, release=release, partial=partial)
+    return simulate(trace, label, runs=runs, release=release, partial=partial)
 
 
 def headline(train_s: dict[str, float]) -> dict[str, float]:

@@ -40,6 +40,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -715,8 +716,8 @@ class Simulation:
             max_demand_wait_s=self.max_demand_wait, overcommit_s=self.overcommit, stalled_call_s=self.stalled,
             slot_s=self.slot_s, held_s=self.held_s, switching_s=self.switching_s,
             call_s=sum(sum(ex.segments[0::2]) for ex in self.executions), cut_call_s=self.cut_call_s,
-            carried_groups=self.carried, start_s_median=_median([
-                (ex.ended_at if ex.started_at is None else ex.started_at) - ex.launched_at for ex in ended]),
+            carried_groups=self.carried, start_s_median=statistics.median([
+                (ex.ended_at if ex.started_at is None else ex.started_at) - ex.launched_at for ex in ended] or [0.0]),
         )
 
     def describe(self) -> str:
@@ -725,8 +726,3 @@ class Simulation:
         return (f"t={self.t:.1f}s version {self.steps.version}/{self.wl.steps} planned {self.planned} "
                 f"queued {len(self.queue)} running {self.num_running} waiting {len(self.waiting)} "
                 f"demand {self.steps.train_demand()} rollouts_done {st.rollouts_done if st else None} | {phases}")
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else 0.0

@@ -124,10 +124,17 @@ class SchedulerConfig:
     """Serving cells kept while any live work or next-step work exists (elastic)."""
     train_cells: int
     """`async` only: size of the fixed training pool."""
+    straggler_runs: int
+    """`elastic` only: while microsteps wait for a cell and every running execution belongs to a
+    step after the trainable one, up to this many of them may wait without a serving cell (their
+    calls park at the proxy, as under colocate) so the cell holding them trains; 0 never leaves
+    running work unserved. Their timeout keeps running while they wait."""
 
     def check(self) -> None:
         if self.capacity_per_cell < 1 or self.staleness < 0:
             raise ValueError("capacity_per_cell >= 1 and staleness >= 0")
+        if self.straggler_runs < 0:
+            raise ValueError("straggler_runs >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

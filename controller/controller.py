@@ -593,6 +593,7 @@ class Controller(RunStages):
             queued=self.executions.count("queued"),
             running=self.executions.count("running"),
             queued_ahead=self.executions.queued_after(st.step + 1) if st is not None and self.stage == "train" else 0,
+            running_ahead=self.executions.running_after(st.step) if st is not None and self.stage == "train" else 0,
             rollouts_pending=self.stage in ("train", "eval_start") and self.planned_steps < self.cfg.run.steps,
             train_demand=self.steps.train_demand() if self.stage == "train" else 0,
             step_rollouts_done=st is not None and st.rollouts_done,

@@ -173,6 +173,10 @@ class ExecutionManager:
         """Queued training executions of steps after ``step``."""
         return sum(1 for ex in self.executions.values() if ex.state == "queued" and ex.train and ex.step > step)
 
+    def running_after(self, step: int) -> int:
+        """Running training executions of steps after ``step``."""
+        return sum(1 for ex in self.executions.values() if ex.state == "running" and ex.train and ex.step > step)
+
     def ended_groups(self, step: int) -> set[str]:
         """Training groups of ``step`` with every run ended: their data is on its way to training."""
         live: set[str] = set()

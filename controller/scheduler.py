@@ -9,7 +9,15 @@ a step) keep their role. ``launch_room`` says how many queued executions may sta
 Policies (same interface, same staleness bound, so they compare on equal terms):
 - ``elastic`` (water level), in order of precedence:
   1. running work is never left without serving capacity: while the serving cells cannot hold
-     the running executions, idle training cells turn back, satellites first, the core last;
+     the running executions, idle training cells turn back, satellites first, the core last.
+     The one exception is opt-in (``straggler_runs``, 0 by default): while microsteps wait for a
+     cell, nothing is queued and every running execution belongs to a step after the trainable
+     one, up to that many of them may wait without a cell (their calls park at the proxy, as
+     under colocate), so a cell that holds only a step's last few runs trains instead. In the
+     step's tail (no microstep left to hand out) they count again and a cell comes back for
+     them. Their timeout keeps running meanwhile, so some end with less of their work done: on
+     the moving-balance trace (``bench.simulate --moving``) the trade is measured, time saved
+     against runs cut, and it is off unless a run asks for it;
   2. the core trains whenever the trainable step has training work, or will have within the
      grading time (``grading_groups``: groups whose runs have all ended): queued (not yet started)
      executions wait for it rather than the other way round, and ``launch_room`` stops filling
@@ -92,6 +100,9 @@ class SchedulerView:
     queued_ahead: int = 0
     """Queued executions of steps past the one after the trainable step (only a staleness bound
     above 1 plans those): no update waits on them before the trainable step's lands."""
+    running_ahead: int = 0
+    """Running executions of steps after the trainable one: no microstep of the trainable step
+    waits on them (``straggler_runs`` lets a few of them wait without a serving cell)."""
     updates_applied: int | None = None
     """Updates applied since this attempt's rollouts began (``None``: the caller does not say, and
     the pipeline counts as full). The first ``staleness`` of them are the pipeline filling."""
@@ -162,9 +173,9 @@ def launch_room(view: SchedulerView, cfg: SchedulerConfig) -> int:
 
 def serving_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
     """Cells that hold all live work (queued + running; queued runs of steps further ahead wait
-    for room, see ``launch_room``), at least ``min_serving_cells`` while there is or will be
-    rollout work."""
-    return _cells_for(view.queued - _held_ahead(view, cfg) + view.running, view, cfg, num_cells)
+    for room, see ``launch_room``; stragglers that may wait, see ``stragglers``), at least
+    ``min_serving_cells`` while there is or will be rollout work."""
+    return _cells_for(_live(view, cfg), view, cfg, num_cells)
 
 
 def tail_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
@@ -173,7 +184,7 @@ def tail_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
     it lands."""
     if not (view.step_rollouts_done and view.ready_microsteps == 0 and view.queued_at_apply > 0):
         return serving_need(view, cfg, num_cells)
-    return _cells_for(view.queued - _held_ahead(view, cfg) + view.running + view.queued_at_apply, view, cfg, num_cells)
+    return _cells_for(_live(view, cfg) + view.queued_at_apply, view, cfg, num_cells)
 
 
 def _held_ahead(view: SchedulerView, cfg: SchedulerConfig) -> int:
@@ -185,19 +196,37 @@ def _held_ahead(view: SchedulerView, cfg: SchedulerConfig) -> int:
 
 
 def running_need(view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
-    """Cells that hold the running executions: fewer serving cells would starve started work."""
-    return _cells_for(view.running, view, cfg, num_cells)
+    """Cells that hold the running executions (but the stragglers that may wait): fewer serving
+    cells would starve started work."""
+    return _cells_for(view.running - stragglers(view, cfg), view, cfg, num_cells)
+
+
+def stragglers(view: SchedulerView, cfg: SchedulerConfig) -> int:
+    """Running executions that may wait without a serving cell now (rule 1's opt-in exception):
+    all of them, if they are few (``straggler_runs``), all belong to steps after the trainable
+    one, nothing is queued for launch and microsteps wait for a cell; else none."""
+    if cfg.kind != "elastic" or not 0 < view.running <= cfg.straggler_runs:
+        return 0
+    if view.running_ahead != view.running or view.ready_microsteps == 0:
+        return 0
+    return view.running if view.queued - _held_ahead(view, cfg) == 0 else 0
+
+
+def _live(view: SchedulerView, cfg: SchedulerConfig) -> int:
+    """Live work that needs serving cells: queued runs the lookahead does not hold back, and
+    running ones but the stragglers that may wait."""
+    return view.queued - _held_ahead(view, cfg) + view.running - stragglers(view, cfg)
 
 
 def _cells_for(num_executions: int, view: SchedulerView, cfg: SchedulerConfig, num_cells: int) -> int:
     need = math.ceil(num_executions / cfg.capacity_per_cell)
     held = _held_ahead(view, cfg)
-    if view.queued - held + view.running > 0 or (view.rollouts_pending and not _update_gates_rollouts(view, held)):
+    if _live(view, cfg) > 0 or (view.rollouts_pending and not _update_gates_rollouts(view, cfg, held)):
         need = max(need, cfg.min_serving_cells)
     return min(need, num_cells)
 
 
-def _update_gates_rollouts(view: SchedulerView, held: int = 0) -> bool:
+def _update_gates_rollouts(view: SchedulerView, cfg: SchedulerConfig, held: int = 0) -> bool:
     """Nothing is live but runs the lookahead holds back (``held``), and the trainable step's
     rollouts are all in or being graded (with nothing live, a group not yet in has no run left),
     or runs are held back (they are only while the step is due to train): no rollout the update
@@ -206,7 +235,7 @@ def _update_gates_rollouts(view: SchedulerView, held: int = 0) -> bool:
     runs start once the step has none left to hand out (its tail), with the runs the update
     releases."""
     all_in = (view.step_rollouts_done and view.train_demand > 0) or view.grading_groups > 0
-    return view.queued - held + view.running == 0 and (all_in or held > 0)
+    return view.queued - held + view.running - stragglers(view, cfg) == 0 and (all_in or held > 0)
 
 
 def _run_over(view: SchedulerView) -> bool:

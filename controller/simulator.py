@@ -36,6 +36,7 @@ gradients not yet sent) go back to the step's queue, and it never serves or trai
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -189,10 +190,13 @@ or each run's share once that run is (a what-if; see the module docstring)."""
 
 
 def simulate(trace: Trace, kind: str, *, seed: int = 0, runs: RunSource | None = None,
-             release: Release = "group", partial: bool = False) -> SimResult:
-    """Run ``trace`` to its last step under policy ``kind``; ``runs`` replaces the trace's pool."""
-    sim = Simulation(trace, scheduler_config(trace, kind), runs or pool_source(trace, seed), release=release,
-                     partial=partial)
+             release: Release = "group", partial: bool = False, straggler_runs: int | None = None) -> SimResult:
+    """Run ``trace`` to its last step under policy ``kind``; ``runs`` replaces the trace's pool and
+    ``straggler_runs`` the policy's ``scheduler.straggler_runs``."""
+    cfg = scheduler_config(trace, kind)
+    if straggler_runs is not None:
+        cfg = build(SchedulerConfig, {**dataclasses.asdict(cfg), "straggler_runs": straggler_runs})
+    sim = Simulation(trace, cfg, runs or pool_source(trace, seed), release=release, partial=partial)
     return sim.run()
 
 
@@ -223,6 +227,8 @@ class Simulation:
         self.planned = 0
         self.queue: deque[SimExecution] = deque()
         self.num_running = 0
+        self.running_by_step: dict[int, int] = {}
+        """Running training executions of each step (the scheduler's ``running_ahead``)."""
         self.waiting: list[SimExecution] = []
         self.groups: dict[str, list[SimExecution]] = {}
         self.executions: list[SimExecution] = []
@@ -382,6 +388,8 @@ class Simulation:
             ex = self.queue.popleft()
             ex.state, ex.launched_at = "running", self.t
             self.num_running += 1
+            if ex.train:
+                self.running_by_step[ex.step] = self.running_by_step.get(ex.step, 0) + 1
             room -= 1
             self.at(self.wl.timeout_s, self.timeout, ex)
             if self.wl.launch_cpus:
@@ -418,6 +426,7 @@ class Simulation:
                                  trained_s=c.trained_s) for c in self.cells),
             queued=len(self.queue), running=self.num_running,
             queued_ahead=sum(1 for ex in self.queue if st is not None and ex.step > st.step + 1),
+            running_ahead=sum(n for step, n in self.running_by_step.items() if st is not None and step > st.step),
             rollouts_pending=self.planned < self.wl.steps,
             train_demand=self.steps.train_demand(),
             step_rollouts_done=st is not None and st.rollouts_done,
@@ -573,7 +582,9 @@ class Simulation:
             self.waiting.remove(ex)
         self.num_running -= 1
         self.dirty = True
-        if not ex.train:
+        if ex.train:
+            self.running_by_step[ex.step] -= 1
+        else:
             return  # an eval run: graded for the eval's mean, never trained on
         group = self.groups[ex.group_id]
         if all(e.state == "ended" for e in group):

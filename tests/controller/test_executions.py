@@ -143,6 +143,21 @@ def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
     assert mgr.ended_groups(1) == set()
 
 
+def test_running_after_counts_the_live_training_runs_of_later_steps(tmp_path):
+    # The scheduler's running_ahead: runs no microstep of the trainable step waits on.
+    cfg = workload()
+    task = make_tasks(cfg)[0][0]
+    mgr = manager(tmp_path, cfg, "http://127.0.0.1:9")
+    now = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
+    later = mgr.plan_group(step=1, group_id="s1-g0", task=task, train=True, temperature=1.0, size=3)
+    ev = mgr.plan_group(step=1, group_id="eval-1", task=task, train=False, temperature=0.0, size=1)
+    for ex in now + later[:2] + ev:
+        ex.move("running")
+    assert mgr.running_after(0) == 2  # not the queued one, not step 0's, not the eval run
+    later[0].move("finished")
+    assert (mgr.running_after(0), mgr.running_after(1)) == (1, 0)
+
+
 def _harness_environ(pid: int, timeout_s: float = 10.0) -> dict[str, str]:
     """The environment of ``pid`` once it runs the harness itself. The sandbox's launcher (inner.py)
     exec's the harness: read during that exec, /proc/PID/environ is empty, so wait for the

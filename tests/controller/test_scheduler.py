@@ -4,12 +4,12 @@ The invariants over all snapshots are in test_scheduler_properties.py."""
 import dataclasses
 
 from controller.config import SchedulerConfig
-from controller.scheduler import CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
+from controller.scheduler import stragglers, CellView, SchedulerView, decide, executions_at_apply, launch_room, steps_to_plan
 
 
-def cfg(kind="elastic", cap=4, train_cells=1, min_serving=1):
+def cfg(kind="elastic", cap=4, train_cells=1, min_serving=1, stragglers=0):
     return SchedulerConfig(kind=kind, capacity_per_cell=cap, staleness=1, min_serving_cells=min_serving,
-                           train_cells=train_cells)
+                           train_cells=train_cells, straggler_runs=stragglers)
 
 
 def cell(i, role="serve", phase=None, core=False, busy=False, running=0, trained=0.0):
@@ -17,10 +17,12 @@ def cell(i, role="serve", phase=None, core=False, busy=False, running=0, trained
     return CellView(cell_id=i, role=role, phase=phase, is_core=core, busy=busy, num_running=running, trained_s=trained)
 
 
-def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0, grading=0, ahead=0):
+def view(cells, queued=0, running=0, demand=0, done=False, pending=True, ready=0, at_apply=0, grading=0, ahead=0,
+         running_ahead=0):
     return SchedulerView(cells=tuple(cells), queued=queued, running=running, rollouts_pending=pending,
                          train_demand=demand, step_rollouts_done=done, ready_microsteps=ready,
-                         queued_at_apply=at_apply, grading_groups=grading, queued_ahead=ahead)
+                         queued_at_apply=at_apply, grading_groups=grading, queued_ahead=ahead,
+                         running_ahead=running_ahead)
 
 
 def moves(out):
@@ -240,3 +242,30 @@ def test_elastic_stands_no_cell_by_for_held_runs_alone():
     assert len(decide(dataclasses.replace(held, updates_applied=1), stale2)) == 2
     # A nearer run queued keeps one standing by too.
     assert len(decide(dataclasses.replace(held, queued=9), stale2)) == 3
+
+
+def test_elastic_lets_a_few_stragglers_of_the_next_step_wait_only_when_asked():
+    # Three cells train the step (each holds a microstep's gradients); cell 3 holds the last 3
+    # runs of the next step while 12 microsteps wait for a cell.
+    cells = [cell(0, "train", core=True, busy=True), cell(1, "train", busy=True), cell(2, "train", busy=True),
+             cell(3, running=3)]
+    tail = dict(running=3, running_ahead=3, demand=16, done=True, ready=12)
+    assert decide(view(cells, **tail), cfg()) == []  # by default running work keeps its cell
+    assert moves(decide(view(cells, **tail), cfg(stragglers=3))) == {(3, "train")}
+    # Not more of them than asked, not runs the trainable step waits on, not while runs are queued
+    # to start, and not once no microstep waits for a cell (the step's tail).
+    assert decide(view(cells, **tail), cfg(stragglers=2)) == []
+    assert decide(view(cells, **tail | {"running_ahead": 2}), cfg(stragglers=3)) == []
+    assert decide(view(cells, **tail, queued=1), cfg(stragglers=3)) == []
+    assert decide(view(cells, **tail | {"ready": 0, "demand": 4}), cfg(stragglers=3)) == []
+    # The other policies never leave running work: the option is elastic's.
+    assert stragglers(view(cells, **tail), cfg("colocate", stragglers=3)) == 0
+
+
+def test_elastic_serves_waiting_stragglers_again_in_the_steps_tail():
+    # The stragglers waited while microsteps queued; now none is left to hand out and cell 3 is
+    # idle in training: it turns back to serve them (rule 1 counts them again).
+    cells = [cell(0, "train", core=True, busy=True), cell(1, "train", busy=True), cell(2, "train", busy=True),
+             cell(3, "train")]
+    tail = dict(running=3, running_ahead=3, demand=4, done=True, ready=0)
+    assert moves(decide(view(cells, **tail), cfg(stragglers=3))) == {(3, "serve")}

@@ -1,7 +1,7 @@
 """The scheduler's invariants over random snapshots (hypothesis), and over whole simulated runs.
 
-1. running work is never left without serving capacity (and with no training work, all live work
-   gets the cells it needs);
+1. running work is never left without serving capacity, but the few stragglers of later steps a
+   run lets wait (``straggler_runs``); with no training work, all live work gets the cells it needs;
 2. no step's rollouts start before the staleness bound allows, and no trained call is staler;
 3. training demand never waits forever: ``decide`` or ``launch_room`` acts on it, and in a whole
    run the wait is bounded by one timeout plus the switches;
@@ -12,6 +12,7 @@ switch per cell at most, everyone serves once the run is over.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from hypothesis import HealthCheck, assume, given, settings
@@ -19,9 +20,9 @@ from hypothesis import strategies as st
 
 from controller.config import SchedulerConfig
 from controller.scheduler import (
-    CellView, SchedulerView, Switch, decide, launch_room, running_need, serving_need, steps_to_plan,
+    CellView, SchedulerView, Switch, decide, launch_room, running_need, serving_need, steps_to_plan, stragglers,
 )
-from controller.simulator import simulate
+from controller.simulator import Simulation, pool_source, scheduler_config, simulate
 from controller.traces import CellCosts, Phase, Trace, WorkloadShape
 
 ROLE_PHASES = [("serve", "serving"), ("serve", "to_serve"), ("train", "draining"), ("train", "training"),
@@ -41,7 +42,8 @@ def snapshots(draw, kind: str = "elastic") -> tuple[SchedulerView, SchedulerConf
         cells.append(CellView(cell_id=i, role=role, phase=phase, is_core=i == core, busy=busy,
                               num_running=draw(st.integers(0, 20)), trained_s=draw(st.floats(0, 100))))
     cfg = SchedulerConfig(kind=kind, capacity_per_cell=draw(st.integers(1, 16)), staleness=draw(st.integers(0, 2)),
-                          min_serving_cells=draw(st.integers(0, 1)), train_cells=draw(st.integers(1, max(1, n - 1))))
+                          min_serving_cells=draw(st.integers(0, 1)), train_cells=draw(st.integers(1, max(1, n - 1))),
+                          straggler_runs=draw(st.sampled_from([0, 0, 2, 8])))
     running = draw(st.integers(0, 80))
     queued = draw(st.integers(0, 80))
     view = SchedulerView(cells=tuple(cells), queued=queued, running=running,
@@ -49,7 +51,8 @@ def snapshots(draw, kind: str = "elastic") -> tuple[SchedulerView, SchedulerConf
                          rollouts_pending=draw(st.booleans()), train_demand=draw(st.integers(0, 6)),
                          step_rollouts_done=draw(st.booleans()), steps_left=draw(st.none() | st.integers(0, 3)),
                          ready_microsteps=draw(st.integers(0, 4)), queued_at_apply=draw(st.integers(0, 40)),
-                         grading_groups=draw(st.integers(0, 3)), updates_applied=draw(st.none() | st.integers(0, 3)))
+                         grading_groups=draw(st.integers(0, 3)), updates_applied=draw(st.none() | st.integers(0, 3)),
+                         running_ahead=draw(st.integers(0, running)))
     return view, cfg
 
 
@@ -82,6 +85,11 @@ def test_running_work_always_keeps_enough_serving_cells(snap):
     assert after >= min(need, serving + movable)
     if any(s.role == "train" for s in out):
         assert after >= need
+    # Only stragglers asked for may go without (``straggler_runs``): a few runs of later steps.
+    left = stragglers(view, cfg)
+    assert left == 0 or (left <= cfg.straggler_runs and left == view.running == view.running_ahead)
+    if cfg.straggler_runs == 0 or view.running_ahead < view.running:
+        assert need == min(math.ceil(view.running / cfg.capacity_per_cell), n) or need == min(cfg.min_serving_cells, n)
 
 
 @settings(max_examples=300, deadline=None)
@@ -225,6 +233,11 @@ def test_simulated_runs_keep_the_invariants(trace, seed):
         assert r.max_staleness <= wl.staleness
     r = simulate(trace, "elastic", seed=seed)
     assert r.overcommit_s == 0.0  # running work always had serving capacity
+    # Letting stragglers of later steps wait keeps every step, the bound and the core's updates.
+    late = Simulation(trace, dataclasses.replace(scheduler_config(trace, "elastic"), straggler_runs=2),
+                      pool_source(trace, seed)).run()
+    assert len(late.step_done_s) == wl.steps and late.core_trained_steps == wl.steps
+    assert late.max_staleness <= wl.staleness
     bound = wl.timeout_s + wl.launch_s + cc.to_serve_s + cc.to_train_s + cc.weight_transfer_s + cc.grad_transfer_s
     assert r.max_demand_wait_s <= bound + 1e-6
     assert math.isfinite(r.makespan_s)

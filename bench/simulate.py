@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.simulate [--quick] [--drift] [--traces bench/traces]
                                        [--calibrate RESULT.json [--fit OTHER_RESULT.json]]
-    .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S] [--partial]
-    .venv/bin/python -m bench.simulate --moving [--partial]
+    .venv/bin/python -m bench.simulate --trace FILE.json [--staleness S] [--partial] [--stragglers K]
+    .venv/bin/python -m bench.simulate --moving [--partial] [--stragglers K]
 
 ``--trace``: any trace file in the format ``controller.traces`` loads (a user's own workload, or one
 of ``bench/traces``), alone: every policy, every fixed split and both colocates, the bound and the
@@ -20,7 +20,10 @@ partial rollouts as slime runs them (``controller.simulator.simulate(partial=Tru
 on the first groups graded and the groups still running train in a later step, kept whole), their
 hours beside the whole-step ones (``gain``), elastic's ratios, the groups carried and what it costs
 in staleness (``max_staleness``). With ``--trace``, ``--partial`` adds the same for that trace, at its
-staleness bound.
+staleness bound. ``--stragglers K`` adds ``stragglers`` (per staleness bound with ``--moving``):
+elastic again with ``scheduler.straggler_runs=K``, which lets up to K running executions of later
+steps wait without a serving cell while microsteps wait for one, its hours and ratios beside elastic
+as shipped, and what it costs the runs (the share cut at the timeout, the model time cut).
 
 Table: every trace in ``--traces`` (``bench/traces/*.json``, written by ``bench.traces.generate``)
 run through ``controller.simulator`` with each policy (``scheduler.decide`` itself, the trace's
@@ -213,7 +216,7 @@ def trace_summary(trace: Trace, *, seed: int) -> dict[str, Any]:
     }
 
 
-def moving_summary(path: Path, *, seed: int, partial: bool = False) -> dict[str, Any]:
+def moving_summary(path: Path, *, seed: int, partial: bool = False, straggler_runs: int | None = None) -> dict[str, Any]:
     """The moving-balance trace at staleness 1 and 2: elastic against the best split in hindsight,
     the better colocate and the larger bound, side by side from one run of each."""
     base = load_trace(path)
@@ -241,6 +244,10 @@ def moving_summary(path: Path, *, seed: int, partial: bool = False) -> dict[str,
         out["partial_rollouts"] = {
             str(s): partial_rollouts(dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=s)),
                                      seed=seed, whole_h=at[s]["hours"]) for s in (1, 2)}
+    if straggler_runs is not None:
+        out["stragglers"] = {
+            str(s): stragglers_what_if(dataclasses.replace(base, workload=dataclasses.replace(base.workload, staleness=s)),
+                                       seed=seed, straggler_runs=straggler_runs, summary=at[s]) for s in (1, 2)}
     return out
 
 
@@ -268,6 +275,31 @@ def partial_rollouts(trace: Trace, *, seed: int, whole_h: dict[str, float]) -> d
         "max_staleness": {k: r.max_staleness for k, r in sims.items()},
         "carried_groups": {k: r.carried_groups for k, r in sims.items()},
         "groups": trace.workload.steps * trace.workload.groups_per_step,
+    }
+
+
+def stragglers_what_if(trace: Trace, *, seed: int, straggler_runs: int, summary: dict[str, Any]) -> dict[str, Any]:
+    """Elastic with ``scheduler.straggler_runs`` (rule 1's opt-in exception: a few running
+    executions of later steps wait without a cell so it trains) beside elastic as shipped, against
+    ``summary``'s baselines (``trace_summary`` of the same trace). What it costs is in the runs:
+    the share cut at the timeout and the model time they lost. Over the bound it counts
+    ``makespan_bound`` alone: the stall-free bound holds only for policies that serve every
+    running execution."""
+    served = simulate(trace, "elastic", seed=seed)
+    late = simulate(trace, "elastic", seed=seed, straggler_runs=straggler_runs)
+    hours = summary["hours"]
+    best = min(h for k, h in hours.items() if k.startswith("async_"))
+    return {
+        "straggler_runs": straggler_runs,
+        "hours": {"elastic": late.makespan_h, "elastic_all_served": served.makespan_h},
+        "elastic_vs_best_async": best / late.makespan_h,
+        "elastic_vs_colocate": min(hours["colocate"], hours["colocate_sync"]) / late.makespan_h,
+        "elastic_vs_bound": late.makespan_h / summary["bound_h"],
+        "timed_out_share": {"elastic": late.num_timed_out / late.num_executions,
+                            "elastic_all_served": served.num_timed_out / served.num_executions},
+        "cut_call_share": {"elastic": late.cut_call_s / late.call_s, "elastic_all_served": served.cut_call_s / served.call_s},
+        "stalled_call_h": {"elastic": late.stalled_call_s / 3600.0, "elastic_all_served": served.stalled_call_s / 3600.0},
+        "max_staleness": late.max_staleness,
     }
 
 
@@ -634,11 +666,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--moving", action="store_true", help="the moving-balance 2.4T-like trace at staleness 1 and 2")
     ap.add_argument("--partial", action="store_true",
                     help="with --moving or --trace: the what-if of every policy with partial rollouts, beside it")
+    ap.add_argument("--stragglers", type=int, default=None, metavar="K",
+                    help="with --moving or --trace: elastic again with scheduler.straggler_runs=K, beside it")
     args = ap.parse_args(argv)
     if args.partial and not (args.moving or args.trace):
         ap.error("--partial goes with --moving or --trace")
+    if args.stragglers is not None and not (args.moving or args.trace):
+        ap.error("--stragglers goes with --moving or --trace")
+    if args.stragglers is not None and args.stragglers < 1:
+        ap.error(f"--stragglers: want >= 1, got {args.stragglers}")
     if args.moving:
-        out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed, partial=args.partial)
+        out = moving_summary(args.traces / "p2_4t_moving.json", seed=args.seed, partial=args.partial,
+                             straggler_runs=args.stragglers)
         print(json.dumps(out, sort_keys=True), flush=True)
         return out
     if args.trace is not None:
@@ -646,6 +685,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = trace_summary(trace, seed=args.seed)
         if args.partial:
             out["partial_rollouts"] = partial_rollouts(trace, seed=args.seed, whole_h=out["hours"])
+        if args.stragglers is not None:
+            out["stragglers"] = stragglers_what_if(trace, seed=args.seed, straggler_runs=args.stragglers, summary=out)
         print(json.dumps(out, sort_keys=True), flush=True)
         return out
     if args.staleness is not None:

@@ -225,3 +225,24 @@ def test_partial_rollouts_what_if_runs_every_policy_beside_whole_steps():
 def test_partial_goes_with_moving():
     with pytest.raises(SystemExit):
         simulate.main(["--partial"])
+
+
+def test_stragglers_what_if_trades_runs_cut_for_time_and_says_so():
+    # The moving trace's first twelve steps (a tool-heavy block, then a token-heavy one, whose
+    # few long runs hold a cell that could train): elastic with straggler_runs beside elastic.
+    base = simulate.load_trace(simulate.TRACES / "p2_4t_moving.json")
+    trace = simulate.dataclasses.replace(base, workload=simulate.dataclasses.replace(base.workload, steps=12))
+    summary = simulate.trace_summary(trace, seed=0)
+    out = simulate.stragglers_what_if(trace, seed=0, straggler_runs=8, summary=summary)
+    assert out["hours"]["elastic_all_served"] == pytest.approx(summary["hours"]["elastic"])
+    assert out["hours"]["elastic"] < out["hours"]["elastic_all_served"]  # the cell trained instead
+    # ... paid for by the runs that waited: more of them cut at the timeout, with more work lost
+    assert out["stalled_call_h"]["elastic"] > out["stalled_call_h"]["elastic_all_served"]
+    assert out["cut_call_share"]["elastic"] > out["cut_call_share"]["elastic_all_served"]
+    assert out["elastic_vs_bound"] == pytest.approx(out["hours"]["elastic"] / summary["bound_h"])
+    assert out["elastic_vs_bound"] >= 1.0  # makespan_bound holds for every policy, stalls or not
+    assert out["max_staleness"] <= 1
+    with pytest.raises(SystemExit):
+        simulate.main(["--stragglers", "8"])
+    with pytest.raises(SystemExit):
+        simulate.main(["--moving", "--stragglers", "0"])

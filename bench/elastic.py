@@ -1,7 +1,7 @@
 """Elastic vs async vs colocate on the real embedded system: time to the same number of steps.
 
     .venv/bin/python -m bench.elastic [--workload stationary|drift|moving] [--quick | --cpu-bound] [--steps N]
-                                      [--policies elastic,async,colocate] [--async-splits 2,3]
+                                      [--policies elastic,async,colocate] [--async-splits 2,3] [--lose-cell 3@10]
                                       [--[no-]colocate-sync] [--fit RESULT.json] [--release group|run]
                                       [--scale K] [--set KEY=VALUE ...] [--out FILE] [--root DIR]
 
@@ -21,7 +21,10 @@ same runs) and a model large enough that training a step costs about as much as 
 runs change as training goes (``DRIFT_OVERRIDES``, ``workloads/drift.py``): turns and think time
 grow 4x from the first step to the last, and the task mix turns tool-heavy halfway.
 ``--workload moving`` alternates tool-heavy and token-heavy task families every 4 steps
-(``MOVING_OVERRIDES``): the serving/training balance moves back and forth.
+(``MOVING_OVERRIDES``): the serving/training balance moves back and forth. ``--lose-cell 3@10``
+kills satellite 3 (SIGKILL to its cellrunner) in every run once version 10 is applied: the
+controller drops it and each policy finishes on the three left (the fixed splits keep a cell
+serving), as the simulator's ``cell_losses`` do; ``bench.simulate --calibrate`` replays the loss.
 
 Measured per run, from ``runs/<id>/``: ``train_s`` = time from the controller's first tick to the
 last step's update (``metrics.jsonl``: ``progress`` and ``step`` events; process start-up is left
@@ -42,16 +45,21 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.simulate import FIT_RESULT, calibrate, embedded_setup
 from base import wire
 from base.typed_config import build
+from controller.traces import CellLoss
 from trajectory.log import AppendLog, decode_marker
 from workloads.config import WorkloadConfig
 from workloads.drift import run_shape
@@ -157,23 +165,89 @@ class BenchError(RuntimeError):
 
 
 def run_policy(policy: str, *, root: Path, runs_dir: Path, steps: int, overrides: tuple[str, ...],
-               label: str = "", timeout_s: float = RUN_TIMEOUT_S) -> Path:
-    """Run gyre once; return its run directory. ``label`` names the run (default: the policy)."""
+               label: str = "", timeout_s: float = RUN_TIMEOUT_S, lose: CellLoss | None = None) -> Path:
+    """Run gyre once; return its run directory. ``label`` names the run (default: the policy).
+    ``lose``: SIGKILL that satellite's cellrunner once that weight version is applied (the
+    controller drops it and the run goes on with the rest); the run fails if it never was."""
     label = label or policy
     args = [sys.executable, "-m", "controller.main", f"scheduler={policy}", f"run.steps={steps}",
             f"run.runs_dir={runs_dir}", f"run.name=bench-{label}", *overrides]
     log_path = runs_dir / f"bench-{label}.log"
     runs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(root)}
+    before = {p for p in runs_dir.iterdir() if p.is_dir()}
     t0 = time.monotonic()
+    done, killed = threading.Event(), {}
     with open(log_path, "wb") as out:
-        proc = subprocess.run(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
-    if proc.returncode != 0:
+        proc = subprocess.Popen(args, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if lose is not None:
+            threading.Thread(target=_lose_cell, args=(runs_dir, before, lose, done, killed), daemon=True).start()
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        finally:
+            done.set()
+            if proc.poll() is None:
+                proc.kill()
+    if returncode != 0:
         text = log_path.read_text(errors="replace")
-        raise BenchError(f"{policy}: gyre exited {proc.returncode}; see {log_path}:\n{text[-2000:]}")
+        raise BenchError(f"{policy}: gyre exited {returncode}; see {log_path}:\n{text[-2000:]}")
+    if lose is not None and "at_version" not in killed:
+        raise BenchError(f"{label}: cell {lose.cell} was never lost (version {lose.at_version} not applied in time "
+                         f"or its process not found): {killed.get('why', 'the run ended first')}")
     run_dir = run_dir_of(log_path, root)
     print(f"{label}: done in {time.monotonic() - t0:.0f}s -> {run_dir}", file=sys.stderr, flush=True)
     return run_dir
+
+
+def parse_loss(text: str) -> CellLoss:
+    """``CELL@VERSION`` -> the satellite to lose once that weight version is applied."""
+    cell, sep, version = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        loss = CellLoss(cell=int(cell), at_version=int(version))
+    except ValueError:
+        raise BenchError(f"--lose-cell {text!r}: want CELL@VERSION, e.g. 3@10") from None
+    if loss.cell < 1 or loss.at_version < 1:
+        raise BenchError(f"--lose-cell {text!r}: a satellite (cell >= 1; cell 0 is the core) at a version >= 1")
+    return loss
+
+
+def _lose_cell(runs_dir: Path, before: set[Path], lose: CellLoss, done: threading.Event, report: dict) -> None:
+    """Wait for the run's folder and for ``lose.at_version`` in its metrics, then SIGKILL the
+    cell's process (the cellrunner of that cell id whose command line names the run's folder)."""
+    run_dir = None
+    while not done.is_set():
+        if run_dir is None:
+            new = [p for p in runs_dir.iterdir() if p.is_dir() and not p.is_symlink() and p not in before]
+            run_dir = new[0] if len(new) == 1 else None
+        elif _applied_version(run_dir) >= lose.at_version:
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = p.info["cmdline"] or []
+                if ("cellrunner.main" in cmd and "--cell-id" in cmd and cmd[cmd.index("--cell-id") + 1] == str(lose.cell)
+                        and any(str(run_dir) in c for c in cmd)):
+                    p.send_signal(signal.SIGKILL)
+                    report["at_version"] = _applied_version(run_dir)
+                    return
+            report["why"] = f"no cellrunner process for cell {lose.cell} of {run_dir}"
+            return
+        time.sleep(0.2)
+
+
+def _applied_version(run_dir: Path) -> int:
+    """The newest weight version the run's metrics say was applied (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    newest = 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+            if event.get("kind") == "step":
+                newest = max(newest, int(event["weight_version"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line still being written
+    return newest
 
 
 def run_dir_of(log_path: Path, root: Path) -> Path:
@@ -282,6 +356,9 @@ def measure(policy: str, run_dir: Path, *, steps: int, staleness: int, config: d
         "load_s": [e["load_s"] for e in ev.get("weights_loaded", [])],
         "shard_latency_s": [e["shard_latency_s"] for e in ev.get("group", []) if e.get("shard_latency_s") is not None],
         "run_overhead_s": run_overheads(ev.get("execution", []), calls, think),
+        # cells the controller dropped, with the newest version applied when it did
+        "cells_lost": [{"cell": e["cell"], "at_version": max((s["weight_version"] for s in ev["step"] if s["t"] <= e["t"]),
+                                                            default=0)} for e in ev.get("cell_lost", [])],
     }
 
 
@@ -491,12 +568,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--remeasure", action="store_true",
                     help="run nothing: measure the runs an earlier bench left in --runs-dir (same options)")
     ap.add_argument("--runs-dir", type=Path, default=None, help="default: <root>/runs/bench-elastic")
+    ap.add_argument("--lose-cell", default=None, metavar="CELL@VERSION",
+                    help="in every run, SIGKILL that satellite once that weight version is applied (e.g. 3@10)")
     ap.add_argument("--out", type=Path, default=None, help="result file; default <runs-dir>/result.json")
     args = ap.parse_args(argv)
     policies = tuple(p for p in args.policies.split(",") if p)
     if not policies or any(p not in POLICIES for p in policies):
         ap.error(f"--policies: a comma list of {POLICIES}")
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    try:
+        lose = parse_loss(args.lose_cell) if args.lose_cell else None
+    except BenchError as exc:
+        ap.error(str(exc))
+    if lose is not None and lose.at_version >= steps:
+        ap.error(f"--lose-cell: version {lose.at_version} is not applied before the run's last step ({steps})")
     if args.workload != "stationary" and (args.quick or args.cpu_bound):
         ap.error(f"--workload {args.workload}: runs the paced bench setup (not with --quick or --cpu-bound)")
     overrides = (QUICK_OVERRIDES if args.quick else CPU_BOUND_OVERRIDES if args.cpu_bound
@@ -521,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.remeasure:
             run_dir = run_dir_of(runs_dir / f"bench-{label}.log", args.root)
         else:
-            run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, label=label,
+            run_dir = run_policy(policy, root=args.root, runs_dir=runs_dir, steps=steps, label=label, lose=lose,
                                  timeout_s=RUN_TIMEOUT_S * max(1.0, args.scale), overrides=(*overrides, *extra))
         results[label] = measure(policy, run_dir, steps=steps, staleness=bound,
                                  config={"steps": steps, "overrides": list(overrides)})
@@ -531,8 +616,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.quick and not all(r["think_time_replayed"] for r in results.values()):
         raise BenchError("a harness's think time differs from workloads.harness.think_times for its execution id "
                          "(what bench.simulate replays): is the bundled harness told --think-key?")
-    config = {"steps": steps, "workload": args.workload, "policies": list(policies), "overrides": list(overrides), "staleness": staleness,
-              "scale": args.scale,
+    config = {"steps": steps, "workload": args.workload, "policies": list(policies), "overrides": list(overrides),
+              "staleness": staleness, "scale": args.scale,
+              "lose_cell": None if lose is None else {"cell": lose.cell, "at_version": lose.at_version},
               "quick": args.quick, "cpu_bound": args.cpu_bound, "root": str(args.root)}
     out = summarise(results, config=config, launch_s=harness_start_s(args.root))
     out_path = args.out or runs_dir / "result.json"

@@ -111,7 +111,7 @@ import yaml
 
 from controller.bounds import makespan_bound, phase_balance, serving_bound, throughput_what_if
 from controller.simulator import Release, RunSource, SimResult, pool_source, simulate
-from controller.traces import CellCosts, Phase, Trace, TraceError, WorkloadShape, load_trace
+from controller.traces import CellCosts, CellLoss, Phase, Trace, TraceError, WorkloadShape, load_trace
 from base.typed_config import build
 from workloads.config import WorkloadConfig
 from workloads.drift import run_shape
@@ -448,8 +448,10 @@ def embedded_trace(result: dict[str, Any], *, costs: dict[str, Any] | None = Non
     )
     phases = tuple(Phase(name=f"step{s}", first_step=s, runs=(0, 1), microsteps_per_group=n, microstep_s=t)
                    for s, (n, t) in enumerate(per_step) if s == 0 or (n, t) != per_step[s - 1])
+    lost = result["config"].get("lose_cell")  # bench.elastic --lose-cell: every run lost that satellite
     trace = Trace(name="embedded", description="bench.elastic's setup, measured costs", generator="bench.simulate",
-                  cells=cells, workload=shape, reference_h=None, phases=phases, executions=((0.0, 0.0),))
+                  cells=cells, workload=shape, reference_h=None, phases=phases, executions=((0.0, 0.0),),
+                  cell_losses=(CellLoss(cell=lost["cell"], at_version=lost["at_version"]),) if lost else ())
     think, call_s = wl["think_time"], cal["call_s_p25"]
     # The first call of a run carries its prompt's prefill and starts with the rest of its step;
     # older result files lack the figure and fall back to the typical call.

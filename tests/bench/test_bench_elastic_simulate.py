@@ -153,6 +153,24 @@ def test_scale_stretches_the_pace_and_the_harness_times_together():
         k: v for k, v in base.items() if k not in elastic.SCALED_KEYS}
 
 
+def test_a_lost_cell_is_named_as_cell_at_version_and_replayed_by_the_simulator():
+    assert elastic.parse_loss("3@10") == simulate.CellLoss(cell=3, at_version=10)
+    for bad in ("3", "0@5", "2@0", "x@1", "3@"):  # the core, version 0 and what is not CELL@VERSION are refused
+        with pytest.raises(elastic.BenchError, match="--lose-cell"):
+            elastic.parse_loss(bad)
+    with pytest.raises(SystemExit):
+        elastic.main(["--lose-cell", "3@20", "--steps", "20"])  # never applied before the last step
+    # A result file of runs that lost cell 3 at version 2: the simulator's trace loses it too, and
+    # its elastic finishes on the three cells left, later than with four.
+    moving = simulate.load_result(simulate.RESULTS / "elastic-moving.json")
+    lost = {**moving, "config": {**moving["config"], "lose_cell": {"cell": 3, "at_version": 2}}}
+    trace, runs, _ = simulate.embedded_trace(lost)
+    assert trace.cell_losses == (simulate.CellLoss(cell=3, at_version=2),)
+    whole, _, _ = simulate.embedded_trace(moving)
+    assert whole.cell_losses == ()
+    assert simulate.simulate(trace, "elastic", runs=runs).makespan_s > simulate.simulate(whole, "elastic", runs=runs).makespan_s
+
+
 def test_the_moving_workload_alternates_families_that_want_different_splits():
     """bench.elastic --workload moving: a valid config whose tool-heavy steps hold more runs than a
     cell serves (two serving cells to run at once) and whose token-heavy steps have more turns."""

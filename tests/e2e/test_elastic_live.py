@@ -1,6 +1,7 @@
 """bench.elastic in its quick mode runs the real embedded system three times (elastic, async,
-colocate; a couple of minutes), then bench.simulate calibrates against the result: the keys its
-docstring promises are present and well-formed (timings are never judged)."""
+colocate; a couple of minutes), each losing satellite 3 once the first update is applied, then
+bench.simulate calibrates against the result, replaying the loss: the keys its docstring
+promises are present and well-formed (timings are never judged)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ def test_elastic_quick_then_calibrate(tmp_path: Path, capsys: pytest.CaptureFixt
     result = tmp_path / "result.json"
     # run release, so every policy's real run takes executions' data as they are graded
     out = last_json(capsys, elastic.main, ["--quick", "--release", "run", "--runs-dir", str(tmp_path / "runs"),
-                                           "--out", str(result)])
+                                           "--out", str(result), "--lose-cell", "3@1"])
     assert "algo.release=run" in out["config"]["overrides"]
+    assert out["config"]["lose_cell"] == {"cell": 3, "at_version": 1}
+    for policy, r in out["policies"].items():  # every run lost cell 3 and finished on the other three
+        assert [c["cell"] for c in r["cells_lost"]] == [3] and r["cells_lost"][0]["at_version"] >= 1, policy
     assert {"elastic_vs_async", "elastic_vs_colocate", "elastic_s", "async_s", "colocate_s", "staleness_ok",
             "calibration", "config", "host"} <= set(out)
     assert finite(out["elastic_vs_async"]) and finite(out["elastic_vs_colocate"])

@@ -210,13 +210,21 @@ def test_simulate_any_trace_file_a_user_brings(tmp_path: Path, capsys: pytest.Ca
     assert "--trace" in capsys.readouterr().err
 
 
-def test_simulate_moving_prints_the_moving_balance_keys(capsys: pytest.CaptureFixture[str]):
-    out = last_json(capsys, simulate.main, ["--moving"])
+def test_simulate_moving_prints_the_moving_balance_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    # The shipped moving traces cut to their first two blocks (a tool-heavy one, then a
+    # token-heavy one), the satellite lost after the first: the same code as the full --moving.
+    for name in ("p2_4t_moving", "p2_4t_moving_eval", "p2_4t_moving_loss"):
+        raw = json.loads((simulate.TRACES / f"{name}.json").read_text())
+        raw["workload"]["steps"] = 12
+        for loss in raw.get("cell_losses", []):
+            loss["at_version"] = 6
+        (tmp_path / f"{name}.json").write_text(json.dumps(raw))
+    out = last_json(capsys, simulate.main, ["--moving", "--traces", str(tmp_path)])
     for key in ("moving_vs_best_async", "moving_st2_vs_best_async", "moving_vs_colocate", "moving_vs_bound"):
         assert finite(out[key]) and out[key] > 0, key
     st1 = out["by_staleness"]["1"]
     assert out["moving_vs_best_async"] == st1["elastic_vs_best_async"] and st1["staleness"] == 1
-    assert [p["ideal_training_cells"] for p in st1["phases"]] == [1, 3] * 4  # the balance moves
+    assert st1["steps"] == 12 and [p["ideal_training_cells"] for p in st1["phases"]] == [1, 3]  # the balance moves
     # The same runs with eval rounds and with a satellite lost halfway: every policy finishes.
     assert set(out["variants"]) == {"p2_4t_moving_eval", "p2_4t_moving_loss"}
     for name, v in out["variants"].items():

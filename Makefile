@@ -122,6 +122,7 @@ bench: venv litellm claude-code
 	$(BIN)/python -m bench.elastic --workload drift --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-drift
 	$(BIN)/python -m bench.simulate --drift --fit runs/bench-elastic/result.json --calibrate runs/bench-elastic-drift/result.json
 	$(BIN)/python -m bench.elastic --workload moving --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-moving
+	$(BIN)/python -m bench.elastic --workload moving --lose-cell 3@10 --fit runs/bench-elastic/result.json --runs-dir runs/bench-elastic-moving-loss
 	$(BIN)/python -m bench.simulate --moving --partial --stragglers 8
 	$(BIN)/python -m bench.served_whatif bench/traces/p2_4t_moving.json --staleness 1 2
 

@@ -127,8 +127,9 @@ class SchedulerConfig:
     straggler_runs: int
     """`elastic` only: while microsteps wait for a cell and every running execution belongs to a
     step after the trainable one, up to this many of them may wait without a serving cell (their
-    calls park at the proxy, as under colocate) so the cell holding them trains; 0 never leaves
-    running work unserved. Their timeout keeps running while they wait."""
+    calls wait at the proxy, past ``proxy.route_wait_s`` as a retriable 529, as under colocate)
+    so the cell holding them trains; 0 never leaves running work unserved. Their timeout keeps
+    running while they wait."""
 
     def check(self) -> None:
         if self.capacity_per_cell < 1 or self.staleness < 0:

@@ -12,8 +12,9 @@ Policies (same interface, same staleness bound, so they compare on equal terms):
      the running executions, idle training cells turn back, satellites first, the core last.
      The one exception is opt-in (``straggler_runs``, 0 by default): while microsteps wait for a
      cell, nothing is queued and every running execution belongs to a step after the trainable
-     one, up to that many of them may wait without a cell (their calls park at the proxy, as
-     under colocate), so a cell that holds only a step's last few runs trains instead. In the
+     one, up to that many of them may wait without a cell (their calls wait at the proxy, past
+     ``proxy.route_wait_s`` as a retriable 529 the harness retries, as under colocate), so a
+     cell that holds only a step's last few runs trains instead. In the
      step's tail (no microstep left to hand out) they count again and a cell comes back for
      them. Their timeout keeps running meanwhile, so some end with less of their work done: on
      the moving-balance trace (``bench.simulate --moving``) the trade is measured, time saved

@@ -124,14 +124,19 @@ def test_harnesses_run_below_the_control_plane_and_carry_their_version_floor(tmp
         silent.close()
 
 
-def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
+def planned(tmp_path: Path, *groups: tuple[int, str, int]):
+    """A manager (its proxy unreachable: nothing launches) and the executions of each (step,
+    group id, size) planned on the first training task; ``eval-`` groups are held-out ones."""
     cfg = workload()
     task = make_tasks(cfg)[0][0]
     mgr = manager(tmp_path, cfg, "http://127.0.0.1:9")
-    a = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=2)
-    b = mgr.plan_group(step=0, group_id="s0-g1", task=task, train=True, temperature=1.0, size=2)
-    mgr.plan_group(step=1, group_id="s1-g0", task=task, train=True, temperature=1.0, size=1)
-    mgr.plan_group(step=0, group_id="eval-0", task=task, train=False, temperature=0.0, size=1)
+    return mgr, [mgr.plan_group(step=step, group_id=gid, task=task, train=not gid.startswith("eval-"),
+                                temperature=0.0 if gid.startswith("eval-") else 1.0, size=size)
+                 for step, gid, size in groups]
+
+
+def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
+    mgr, (a, b, _, _) = planned(tmp_path, (0, "s0-g0", 2), (0, "s0-g1", 2), (1, "s1-g0", 1), (0, "eval-0", 1))
     assert mgr.ended_groups(0) == set()
     for ex in a + b[:1]:
         ex.move("running")
@@ -145,12 +150,7 @@ def test_ended_groups_are_those_whose_every_run_has_ended(tmp_path):
 
 def test_running_after_counts_the_live_training_runs_of_later_steps(tmp_path):
     # The scheduler's running_ahead: runs no microstep of the trainable step waits on.
-    cfg = workload()
-    task = make_tasks(cfg)[0][0]
-    mgr = manager(tmp_path, cfg, "http://127.0.0.1:9")
-    now = mgr.plan_group(step=0, group_id="s0-g0", task=task, train=True, temperature=1.0, size=1)
-    later = mgr.plan_group(step=1, group_id="s1-g0", task=task, train=True, temperature=1.0, size=3)
-    ev = mgr.plan_group(step=1, group_id="eval-1", task=task, train=False, temperature=0.0, size=1)
+    mgr, (now, later, ev) = planned(tmp_path, (0, "s0-g0", 1), (1, "s1-g0", 3), (1, "eval-1", 1))
     for ex in now + later[:2] + ev:
         ex.move("running")
     assert mgr.running_after(0) == 2  # not the queued one, not step 0's, not the eval run

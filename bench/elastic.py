@@ -214,24 +214,31 @@ def parse_loss(text: str) -> CellLoss:
 
 
 def _lose_cell(runs_dir: Path, before: set[Path], lose: CellLoss, done: threading.Event, report: dict) -> None:
-    """Wait for the run's folder and for ``lose.at_version`` in its metrics, then SIGKILL the
-    cell's process (the cellrunner of that cell id whose command line names the run's folder)."""
+    """Wait for the run's folder and for ``lose.at_version`` in its metrics, then ``kill_cell``."""
     run_dir = None
     while not done.is_set():
         if run_dir is None:
             new = [p for p in runs_dir.iterdir() if p.is_dir() and not p.is_symlink() and p not in before]
             run_dir = new[0] if len(new) == 1 else None
         elif _applied_version(run_dir) >= lose.at_version:
-            for p in psutil.process_iter(["cmdline"]):
-                cmd = p.info["cmdline"] or []
-                if ("cellrunner.main" in cmd and "--cell-id" in cmd and cmd[cmd.index("--cell-id") + 1] == str(lose.cell)
-                        and any(str(run_dir) in c for c in cmd)):
-                    p.send_signal(signal.SIGKILL)
-                    report["at_version"] = _applied_version(run_dir)
-                    return
-            report["why"] = f"no cellrunner process for cell {lose.cell} of {run_dir}"
+            if kill_cell(run_dir, lose.cell):
+                report["at_version"] = _applied_version(run_dir)
+            else:
+                report["why"] = f"no cellrunner process for cell {lose.cell} of {run_dir}"
             return
         time.sleep(0.2)
+
+
+def kill_cell(run_dir: Path, cell: int) -> bool:
+    """SIGKILL the cellrunner of ``cell`` in the run at ``run_dir`` (its command line names both);
+    False if there is none."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if ("cellrunner.main" in cmd and "--cell-id" in cmd and cmd[cmd.index("--cell-id") + 1] == str(cell)
+                and any(str(run_dir) in c for c in cmd)):
+            p.send_signal(signal.SIGKILL)
+            return True
+    return False
 
 
 def _applied_version(run_dir: Path) -> int:

@@ -261,6 +261,8 @@ def test_stragglers_what_if_trades_runs_cut_for_time_and_says_so():
     summary = simulate.trace_summary(trace, seed=0)
     out = simulate.stragglers_what_if(trace, seed=0, straggler_runs=8, summary=summary)
     assert out["hours"]["elastic_all_served"] == pytest.approx(summary["hours"]["elastic"])
+    # ... which is elastic as shipped (straggler_runs 0 in conf/scheduler/elastic.yaml)
+    assert summary["hours"]["elastic"] == pytest.approx(simulate.simulate(trace, "elastic", seed=0).makespan_h)
     assert out["hours"]["elastic"] < out["hours"]["elastic_all_served"]  # the cell trained instead
     # ... paid for by the runs that waited: more of them cut at the timeout, with more work lost
     assert out["stalled_call_h"]["elastic"] > out["stalled_call_h"]["elastic_all_served"]

@@ -11,15 +11,14 @@ re-routes them to another serving cell and every execution is graded.
 """
 
 import json
-import signal
 import urllib.request
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from bench.elastic import kill_cell
 from tests.e2e import metrics, run_gyre_with
 
 STEPS = 4
@@ -28,7 +27,7 @@ STEPS = 4
 def kill_first_training_satellite(run_dir: Path, done: threading.Event, report: dict) -> None:
     while not done.is_set():
         switched = [m for m in metrics(run_dir) if m.get("kind") == "switch" and m["role"] == "train" and m["cell"] != 0]
-        if switched and _kill_cell(run_dir, switched[0]["cell"]):
+        if switched and kill_cell(run_dir, switched[0]["cell"]):
             report["killed"] = switched[0]["cell"]
             report["at_version"] = max(
                 [m["weight_version"] for m in metrics(run_dir) if m.get("kind") == "step"], default=0
@@ -43,21 +42,11 @@ def kill_first_satellite_holding_run_released_grads(run_dir: Path, done: threadi
         sent = {(m["cell"], m["step"]) for m in events if m.get("kind") == "grads_sent"}
         holding = [m for m in events if m.get("kind") == "microstep" and m["cell"] != 0 and m.get("run_released")
                    and (m["cell"], m["step"]) not in sent]
-        if holding and _kill_cell(run_dir, holding[0]["cell"]):
+        if holding and kill_cell(run_dir, holding[0]["cell"]):
             report["killed"] = holding[0]["cell"]
             report["at_version"] = max([m["weight_version"] for m in events if m.get("kind") == "step"], default=0)
             return
         time.sleep(0.02)
-
-
-def _kill_cell(run_dir: Path, cell: int) -> bool:
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "cellrunner.main" in cmd and "--cell-id" in cmd and cmd[cmd.index("--cell-id") + 1] == str(cell):
-            if any(str(run_dir) in c for c in cmd):
-                p.send_signal(signal.SIGKILL)
-                return True
-    return False
 
 
 @pytest.mark.e2e
@@ -93,7 +82,7 @@ def kill_a_serving_satellite_with_calls_in_flight(run_dir: Path, done: threading
             busy = [(n, url) for url, n in in_flight.items() if url in satellites and n > 0]
             if busy:
                 n, url = max(busy)
-                if _kill_cell(run_dir, satellites[url]):
+                if kill_cell(run_dir, satellites[url]):
                     report.update(killed=satellites[url], calls_in_flight=n, at_version=max(
                         m["weight_version"] for m in metrics(run_dir) if m.get("kind") == "step"))
                     return
